@@ -220,3 +220,165 @@ def test_bad_images_are_refused_and_lose_nothing(qwen3_5_vl_path, qwen3_5_path):
             text_only.generate(input_ids=[5, 6], image_data=[good], sampling_params=greedy(2))
     finally:
         text_only.shutdown()
+
+
+def text_model_of(path, out):
+    """The text model of the vision-language checkpoint ``path`` as a ``Qwen3_5ForCausalLM`` checkpoint in ``out``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    text = {**config["text_config"], "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+    (out / "config.json").write_text(json.dumps(text))
+    tensors = {k.replace("model.language_model.", "model."): v
+               for k, v in load_file(path / "model.safetensors").items() if not k.startswith("model.visual.")}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_draft_model_speculation_with_images_is_exact(qwen3_5_vl_path, tmp_path):
+    """A text-only draft model (here the target's own text model) runs the target's requests as text (the
+    placeholder tokens at their indices); the target verifies at its images' positions: the outputs of a batch
+    of text and image requests equal plain decoding's (a draft model that took the images' embeddings would
+    fail every step)."""
+    qwen3_5_path = text_model_of(qwen3_5_vl_path, tmp_path / "text")
+    specs = [([5, 6, 7, 8, 9], None), (image_prompt([5, 6, 7], None, [20, 21, 22, 23]), [png(5, 48, 48)]),
+             (image_prompt([11], None, [12], None, [13]), [png(6, 32, 32), png(7, 16, 48)])]
+
+    def run(engine: Engine) -> list[dict]:
+        return engine.generate(input_ids=[ids for ids, _ in specs], image_data=[images for _, images in specs],
+                               sampling_params=greedy(12), return_logprob=True)
+
+    with Engine(qwen3_5_vl_path, max_running_requests=4, enable_prefix_cache=False) as plain:
+        want = run(plain)
+    with Engine(qwen3_5_vl_path, max_running_requests=4, speculative_algorithm="draft", speculative_num_steps=3,
+                speculative_draft_model_path=str(qwen3_5_path), debug_checks=True) as spec:
+        got = run(spec)
+        assert spec.scheduler.num_accepted_tokens > 0
+        assert_drained(spec)
+    assert compare_outputs(got, want) == 12 * len(specs)
+
+
+def test_a_failing_vision_tower_ends_only_its_request(qwen3_5_vl_path, monkeypatch):
+    """The tower runs as a request's chunk joins a step, outside the step: when it fails (a device out of
+    memory on a large image, say), that request alone ends aborted; a text request and a small image's run
+    on, and the engine serves after."""
+    from hyla.model import vision
+
+    forward = vision.VisionTower.forward
+
+    def failing(self, pixel_values, grids):
+        if any(h * w > 40 for _, h, w in grids):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(self, pixel_values, grids)
+
+    monkeypatch.setattr(vision.VisionTower, "forward", failing)
+    with Engine(qwen3_5_vl_path, max_running_requests=4, debug_checks=True) as engine:
+        outs = engine.generate(input_ids=[[5, 6, 7, 8], image_prompt([5], None, [6]), image_prompt([5], None, [7])],
+                               image_data=[None, [png(1, 64, 64)], [png(2, 16, 16)]], sampling_params=greedy(4))
+        reasons = [o["meta_info"]["finish_reason"] for o in outs]
+        assert reasons[1]["type"] == "abort" and reasons[1]["cause"] == "internal", reasons
+        assert reasons[0]["type"] == reasons[2]["type"] == "length", reasons
+        assert len(engine.generate(input_ids=[5, 6], sampling_params=greedy(2))["output_ids"]) == 2
+        assert_drained(engine)
+
+
+def test_embeddings_go_once_the_prefill_passed_the_image_and_come_back_when_needed(qwen3_5_vl_path):
+    """A request holds its images' embeddings only while its prefill needs them; re-admitted after a retraction
+    (its cache evicted), it runs the tower again from the pixels it kept, and its answer is unchanged."""
+    prompt = image_prompt([5, 6, 7], None, list(range(20, 50)))
+    image = png(9, 64, 64)
+    with Engine(qwen3_5_vl_path, max_running_requests=2, chunked_prefill_size=8, enable_prefix_cache=False) as off:
+        want = off.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(6), return_logprob=True)
+    with Engine(qwen3_5_vl_path, max_running_requests=2, chunked_prefill_size=8, debug_checks=True) as engine:
+        held = []
+        runs = {"n": 0}
+        scheduler = engine.scheduler
+        process, embed = scheduler.process, scheduler._embed_images
+
+        def watch(*args, **kwargs):
+            out = process(*args, **kwargs)
+            for r in scheduler.running:
+                if r.images is not None:
+                    held.append((r.kv_len, [item.embeds is not None for item in r.images.items]))
+            return out
+
+        def count(req, n):
+            before = [item.embeds is None for item in req.images.items] if req.images is not None else []
+            embed(req, n)
+            runs["n"] += sum(b and item.embeds is not None for b, item in zip(before, req.images.items or []))
+
+        scheduler.process, scheduler._embed_images = watch, count
+        first = engine.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(6), return_logprob=True)
+        end = len(prompt) - 3 - 30 + want["meta_info"]["prompt_tokens"] - len(prompt) + 3  # (through <|vision_end|>)
+        assert held and all(not any(flags) for kv_len, flags in held if kv_len >= end - 1)
+        assert runs["n"] == 1
+        engine.flush_cache()
+        again = engine.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(6), return_logprob=True)
+        assert runs["n"] == 2  # (nothing cached: the tower again)
+    assert compare_outputs([first, again], [want, want]) == 12
+
+
+def test_images_that_fill_the_context_are_refused_from_their_headers(qwen3_5_vl_path):
+    """Images whose tokens (known from each header: its size) fill the context are refused before any is
+    decoded."""
+    import base64
+
+    big = PIL.Image.new("RGB", (64, 64))  # 16 tokens at most (64 x 64 pixels: the checkpoint's max_pixels)
+    buf = io.BytesIO()
+    big.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    with Engine(qwen3_5_vl_path, max_running_requests=2, context_length=40) as engine:
+        with pytest.raises(RequestError, match="the images take .* context length") as err:
+            engine.generate(input_ids=image_prompt([5], None, [6], None, [7], None), image_data=[url] * 3,
+                            sampling_params=greedy(2))
+        assert err.value.param == "image_data"
+        assert engine.generate(input_ids=image_prompt([5], None), image_data=[url],
+                               sampling_params=greedy(2))["meta_info"]["prompt_tokens"] == 1 + 2 + 16
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_vl_short_path(tiny_ckpt_dir):
+    """Two layers (Gated DeltaNet, attention): for the interpreted fused kernels, whose time grows with the layers."""
+    from checkpoints import make_qwen3_5_vl
+
+    return make_qwen3_5_vl(tiny_ckpt_dir, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+
+
+@pytest.mark.slow
+def test_fused_extends_after_an_image_run_at_its_positions(qwen3_5_vl_short_path):
+    """On a fused runner (the Triton kernels: interpreted without a GPU) the text after an image runs as fused
+    extends, at the positions the image shifted, attending to every key before it: a prompt whose last chunk is
+    text after the image, then a turn that hits through the image, equal the PyTorch steps' answers."""
+    from hyla.engine.model_runner import ModelRunner
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    image = png(5, 48, 48)
+    first = image_prompt([5, 6, 7], None, list(range(20, 40)))
+    opts = dict(device=device, max_running_requests=2, warmup="off", chunked_prefill_size=24)
+
+    def turns(engine: Engine) -> list[dict]:
+        a = engine.generate(input_ids=first, image_data=[image], sampling_params=greedy(3), return_logprob=True,
+                            checkpoints=[len(first) - 20])  # (the state after the image kept: a message end)
+        b = engine.generate(input_ids=first[:-20] + list(range(50, 60)), image_data=[image], sampling_params=greedy(3),
+                            return_logprob=True)
+        assert b["meta_info"]["cached_tokens"] == a["meta_info"]["prompt_tokens"] - 20  # (through the image)
+        return [a, b]
+
+    with Engine(qwen3_5_vl_short_path, **opts) as plain:
+        plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
+                                             plain.device, cuda_graph=False, fused_decode=False)
+        want = turns(plain)
+    with Engine(qwen3_5_vl_short_path, **opts) as fused:
+        fused.scheduler.runner = runner = ModelRunner(fused.model, fused.kv_pool, fused.state_pool, fused.req_to_token,
+                                                      fused.device, cuda_graph=False, fused_decode=True,
+                                                      fused_extend_max_tokens=32)
+        ran = []
+        original = runner._forward_extend_fused
+        runner._forward_extend_fused = lambda req, n, *a: ran.append((req.kv_len, n)) or original(req, n, *a)
+        got = turns(fused)
+    assert len(ran) >= 2, ran  # (the text after the image in the first turn, the second turn's new text)
+    assert compare_outputs(got, want) == 6

@@ -20,6 +20,7 @@ from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf_qwe
 from hyla.model.image_processing import (
     ImageProcessorConfig,
     ProcessedImage,
+    image_tokens,
     load_image,
     process_image,
     smart_resize,
@@ -184,14 +185,38 @@ def test_digest_equal_for_equal_images_and_differs_for_one_pixel():
 
 
 def test_processed_image_checks_its_fields():
-    pv = torch.zeros(16, 1536)
-    assert ProcessedImage(pv, (1, 4, 4), 2, b"").num_tokens == 4
-    for grid, merge, values in [
-        ((1, 4), 2, pv), ((1, 4, 3), 2, torch.zeros(12, 1536)), ((1, 4, 4), 2, torch.zeros(15, 1536)),
-        ((1, 4, 4), 2, torch.zeros(16, 1536, dtype=torch.float64)), ((1, 4, 4), 0, pv), ((0, 4, 4), 2, pv),
+    """A ProcessedImage holds the resized uint8 pixels, its grid theirs; its patches are computed from them."""
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    image = ProcessedImage(pixels, (1, 4, 4), QWEN35, b"")
+    assert image.num_tokens == 4 and image.merge_size == 2
+    assert torch.equal(image.pixel_values, torch.full((16, 1536), -1.0))  # (0 - 0.5) / 0.5
+    for px, grid in [
+        (pixels, (1, 4)), (pixels, (1, 4, 3)), (pixels, (1, 8, 8)), (pixels.astype(np.float32), (1, 4, 4)),
+        (np.zeros((48, 64, 3), dtype=np.uint8), (1, 3, 4)), (np.zeros((64, 64), dtype=np.uint8), (1, 4, 4)),
     ]:
         with pytest.raises(ValueError):
-            ProcessedImage(values, grid, merge, b"")
+            ProcessedImage(px, grid, QWEN35, b"")
+
+
+def test_image_tokens_from_the_size_equal_the_processed_images():
+    small = ImageProcessorConfig(patch_size=8, merge_size=2, min_pixels=16 * 16, max_pixels=128 * 128)
+    rs = np.random.RandomState(5)
+    for _ in range(20):
+        height, width = (int(v) for v in rs.randint(8, 700, size=2))
+        image = PIL.Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8))
+        assert image_tokens(width, height, small) == process_image(image, small).num_tokens
+
+
+def test_a_size_check_refuses_before_the_pixels_are_decoded():
+    seen = []
+
+    def check(width: int, height: int) -> None:
+        seen.append((width, height))
+        raise ValueError("over budget")
+
+    with pytest.raises(ValueError, match="over budget"):
+        load_image(png_declaring(5000, 5000), check_size=check)  # (its pixel data is missing: never read)
+    assert seen == [(5000, 5000)]
 
 
 def test_smart_resize_equals_hf():

@@ -161,8 +161,8 @@ def test_output_config_format_constrains_the_answer(claude):
 @pytest.mark.parametrize("body, status, kind, words", [
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400, "invalid_request_error",
      "messages.0.content: a content block of type 'document'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}]}]},
-     400, "invalid_request_error", "messages.0.content: an image source of type 'url' is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     400, "invalid_request_error", "messages.0.content: an image source of type 'file' is not supported"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, 400,
      "invalid_request_error", "tools.0.type"),
     ({"container": "c1"}, 400, "invalid_request_error", "container is not supported"),

@@ -211,7 +211,12 @@ def test_client_hang_up_counts_as_abort(server):
     pytest.param({**CHAT, "messages": [{"role": "user", "content": None}]}, None, "needs content", id="null-content"),
     pytest.param({**CHAT, "messages": [{"role": "user"}]}, None, "needs content", id="missing-content"),
     pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-                 "messages.0.content", "only text content parts", id="image-part"),
+                 "messages.0.content.0.image_url.url", "a data URL", id="image-url"),
+    pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+                 "messages.0.content", "only text and image_url content parts", id="audio-part"),
+    pytest.param({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+                 "messages", "takes no images", id="image-to-a-text-model"),
     pytest.param({**CHAT, "response_format": {"type": "json"}}, "response_format.type", None, id="unknown-format"),
 ])
 def test_small_validation_gaps_are_400(server, body, param, message):

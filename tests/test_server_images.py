@@ -213,6 +213,33 @@ def test_image_urls_of_allowed_hosts_are_fetched(client, image_host):
         assert err.value.body["param"].startswith("messages") and words in err.value.body["message"], target
 
 
+def test_token_counts_agree_and_truncation_counts_images(server, client):
+    """/tokenize and return_token_ids give the prompt as the engine feeds it (the images' tokens repeated), as
+    many tokens as usage counts; truncate_prompt_tokens, which cannot cut images, is a 400 with them; a Responses
+    conversation whose images overflow the context is truncated (truncation auto), counting their tokens."""
+    messages = [image_message("hello there, what is this", data_url(1)), {"role": "assistant", "content": "a picture"},
+                image_message("and this one?", data_url(2, 64, 64))]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                         extra_body={"return_token_ids": True})
+    counted = httpx.post(server.url + "/tokenize", timeout=60, json={"model": MODEL, "messages": messages}).json()
+    assert counted["count"] == out.usage.prompt_tokens == len(out.model_extra["prompt_token_ids"])
+    assert counted["tokens"] == out.model_extra["prompt_token_ids"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 20})
+    assert err.value.body["param"] == "truncate_prompt_tokens"
+    turns = []
+    for i in range(5):  # 5 x 16 image tokens: more than the context (160) with the text
+        turns += [{"role": "user", "content": [{"type": "input_text", "text": f"turn {i}, look"},
+                                               {"type": "input_image", "image_url": data_url(10 + i, 64, 64)}]},
+                  {"role": "assistant", "content": f"answer {i}"}]
+    turns.append({"role": "user", "content": "so?"})
+    response = client.responses.create(model=MODEL, input=turns, max_output_tokens=4, truncation="auto")
+    assert response.output_text and response.usage.input_tokens + response.usage.output_tokens <= CONTEXT
+    with pytest.raises(openai.BadRequestError):  # (without truncation: the context is exceeded)
+        client.responses.create(model=MODEL, input=turns, max_output_tokens=4)
+
+
 @pytest.mark.parametrize("url, words", [
     ("https://example.com/cat.png", "data URL"),
     ("data:image/png;base64,%%%", "base64"),

@@ -640,7 +640,7 @@ def test_text_format_json_schema(server, client):
     pytest.param({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type", id="bad-item-type"),
     pytest.param({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
                  "input.0.content.0.type", id="file-part"),
-    pytest.param({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png"}]}]},
+    pytest.param({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x/a.png"}]}]},
                  "input.0.content.0.image_url", id="image-url"),
     pytest.param({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", id="bad-role"),
     pytest.param({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id",

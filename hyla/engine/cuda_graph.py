@@ -205,16 +205,16 @@ class ExtendInputs:
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the host buffer is reused
 
     def fill(self, ids: Sequence[int], positions: Sequence[int], out_cache_loc: torch.Tensor, bucket: int, slot: int,
-             req_row: int, marks: Sequence[tuple[int, int]], lora_slot: int = 0) -> None:
-        """One sequence's extend of ``n = len(ids)`` tokens (after ``positions[0]`` cached ones) at
-        ``bucket >= n`` tokens, from state row ``slot``, request row ``req_row``, with checkpoints
-        ``marks``: ``(tokens it follows, state row)``, ascending, at most :data:`EXTEND_CHECKPOINTS`;
-        applying the LoRA adapter in ``lora_slot`` (0: none)."""
+             req_row: int, marks: Sequence[tuple[int, int]], lora_slot: int = 0, *, cached: int) -> None:
+        """One sequence's extend of ``n = len(ids)`` tokens after ``cached`` ones, at RoPE ``positions`` (not
+        always ``cached + i``: a prompt's images shift them), at ``bucket >= n`` tokens, from state row ``slot``,
+        request row ``req_row``, with checkpoints ``marks``: ``(tokens it follows, state row)``, ascending, at
+        most :data:`EXTEND_CHECKPOINTS`; applying the LoRA adapter in ``lora_slot`` (0: none)."""
         n, t, m = len(ids), self.tokens, EXTEND_CHECKPOINTS
         if self._copied is not None:
             self._copied.synchronize()
         host = self.host
-        start = positions[0] if n else 0
+        start = cached
         host[:4 * t].view(4, t)[:, n:bucket] = torch.tensor([0, 0, 0, 1])[:, None]
         host[0:n] = torch.as_tensor(ids, dtype=torch.long)
         host[t:t + n] = torch.as_tensor(positions, dtype=torch.long)
@@ -273,7 +273,7 @@ class CudaGraphExtend:
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
             # the sentinels: state row 0, the spare request row, KV slot 0 (no request's)
             self.inputs.fill([0] * bucket, range(bucket), torch.zeros(bucket, dtype=torch.long), bucket, 0,
-                             runner.pad_row, [])
+                             runner.pad_row, [], cached=0)
             batch = self.inputs.batch(bucket, self.lora)
             graph, self.outputs[bucket] = capture(functools.partial(runner.model.forward_unchecked, batch), stream, pool)
             pool = graph.pool()

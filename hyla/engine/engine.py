@@ -57,7 +57,7 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
-from hyla.model.image_processing import ImageProcessorConfig, ProcessedImage, load_image, process_image
+from hyla.model.image_processing import ImageProcessorConfig, ProcessedImage, image_tokens, load_image, process_image
 from hyla.model.loader import read_quantization
 from hyla.model.lora import enable_lora_, lora_widths, read_adapter
 from hyla.model.ops import gpu as gpu_ops
@@ -950,15 +950,42 @@ class Engine:
         """Each image of ``sources`` (what ``image_data`` takes; a :class:`ProcessedImage` as it is) decoded and
         preprocessed for this model's vision tower: its patches and its token count (``num_tokens``), what a
         server reads to know a prompt's length before submitting it. ``RequestError`` (``image_data``) for one
-        that cannot be read, or a model without a vision tower. Decoding takes milliseconds an image: not on an
-        event loop."""
+        that cannot be read, images whose tokens fill the context (known from each header, before its pixels
+        are decoded), or a model without a vision tower. Decoding takes milliseconds an image: not on an event
+        loop."""
         if self.image_processor is None:
             raise RequestError(f"image_data: model {self.model_path} ({self.model_config.architecture}) takes no "
                                "images (a vision-language checkpoint with a vision_config does)", "image_data")
+        config, total = self.image_processor, 0
+
+        def count(tokens: int) -> None:
+            nonlocal total
+            total += tokens
+            if total >= self.context_length:
+                raise ValueError(f"the images take {total} tokens or more; the context length is {self.context_length}")
+
+        out = []
         try:
-            return [src if isinstance(src, ProcessedImage) else process_image(load_image(src), self.image_processor)
-                    for src in sources]
+            for src in sources:
+                if not isinstance(src, ProcessedImage):  # (counted from its header, before its pixels are decoded)
+                    src = process_image(load_image(src, check_size=lambda w, h: count(image_tokens(w, h, config))),
+                                        config)
+                else:
+                    count(src.num_tokens)
+                out.append(src)
         except ValueError as exc:
+            raise RequestError(f"image_data: {exc}", "image_data") from None
+        return out
+
+    def prompt_ids(self, input_ids: Sequence[int], image_data: Sequence[Any]) -> list[int]:
+        """``input_ids`` as a request with ``image_data`` feeds them: each image's placeholder repeated to its
+        token count (``generate``'s ``image_data``), what ``prompt_tokens`` counts. ``RequestError``
+        (``image_data``) as ``generate`` refuses the images."""
+        try:
+            return expand_images(list(input_ids), self.process_images(image_data), self.model_config.vision)[0]
+        except ValueError as exc:
+            if isinstance(exc, RequestError):
+                raise
             raise RequestError(f"image_data: {exc}", "image_data") from None
 
     def _image_lists(self, image_data: Any, n: int, single: bool) -> list[list[Any] | None]:

@@ -106,6 +106,9 @@ class ModelRunner:
                              fused_extend_max_tokens=fused_extend_max_tokens, return_hidden=return_hidden,
                              verify_trees=verify_trees)
         self.model = model
+        # a vision-language model reads a prompt's images and their positions; another (a text-only draft model
+        # running the target's requests) reads the placeholder tokens as text, at their indices
+        self.reads_images = getattr(model, "visual", None) is not None
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.req_to_token = req_to_token
@@ -238,7 +241,8 @@ class ModelRunner:
         of up to ``EXTEND_MAX_SEQS`` sequences, each of up to that many tokens, runs as fused extends,
         one per sequence (:meth:`_forward_extends_fused`)."""
         starts = [r.kv_len for r in reqs]
-        images = [r.images is not None and r.images.touches_image(s, s + n) for r, s, n in zip(reqs, starts, extend_lens)]
+        images = [self.reads_images and r.images is not None and r.images.touches_image(s, s + n)
+                  for r, s, n in zip(reqs, starts, extend_lens)]
         if self.extend_inputs is not None and 1 <= len(reqs) <= EXTEND_MAX_SEQS and tree_parents is None \
                 and not all_logits and logit_rows is None and not return_hidden and not any(images) \
                 and all(1 <= n <= self._extend_buckets[-1] for n in extend_lens) \
@@ -249,7 +253,7 @@ class ModelRunner:
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
             if not images[i]:
-                pos.extend(rope_positions(r, start, n, None if tree_parents is None else tree_parents[i]))
+                pos.extend(self._positions(r, start, n, None if tree_parents is None else tree_parents[i]))
             elif tree_parents is not None:
                 raise ValueError(f"request {r.rid}: a token tree feeds no image token")
             else:
@@ -285,6 +289,22 @@ class ModelRunner:
             batch.logits_indices = torch.tensor(rows, dtype=torch.long).to(self.device)
         return self.model.forward(batch)
 
+    def encode_images(self, req: Req, start: int, end: int) -> None:
+        """Run the vision tower for the images ``req``'s tokens ``[start, end)`` reach that it has not embedded
+        (``multimodal.PromptImages.encode``): what the scheduler does as it adds a prefill chunk to a step."""
+        if self.reads_images and req.images is not None:
+            req.images.encode(start, end, self.model.visual)
+
+    def _shift(self, req: Req, start: int) -> int:
+        """How far the RoPE positions of ``req``'s tokens from ``start`` (up to its next image) lie from their
+        indices: a prompt's images shift them (``multimodal.PromptImages.shift``), on a model that reads them."""
+        images = getattr(req, "images", None) if self.reads_images else None  # (a test's stand-in may lack one)
+        return images.shift(start) if images is not None else 0
+
+    def _positions(self, req: Req, start: int, n: int, parents: list[int] | None) -> range | list[int]:
+        """:func:`fed_positions` of ``req``'s ``n`` tokens from ``start`` (no image token among them), shifted."""
+        return fed_positions(start + self._shift(req, start), n, parents)
+
     def _image_inputs(self, reqs: list[Req], starts: list[int], extend_lens: list[int], images: list[bool],
                       pos: list[int]) -> dict[str, torch.Tensor]:
         """An extend's image rows (``ForwardBatch.mm_rows`` / ``mm_embeds``, the vision tower run for the
@@ -314,7 +334,7 @@ class ModelRunner:
         built with ``return_hidden``). ``input_ids [B]``: those tokens as drawn on the device, not
         yet in ``output_ids`` (the overlap schedule); the fused step reads them there, the PyTorch
         decode reads them back."""
-        pos = [r.kv_len + r.rope_delta for r in reqs]  # (a prompt's images shift the positions after them)
+        pos = [r.kv_len + self._shift(r, r.kv_len) for r in reqs]  # (a prompt's images shift the positions after them)
         ids = [_token_at(r, r.kv_len) for r in reqs] if input_ids is None else None
         return self._decode(ids, pos, [r.state_slot for r in reqs], [r.req_pool_idx for r in reqs],
                             [r.kv_len + 1 for r in reqs], out_cache_loc, return_hidden, input_ids,
@@ -385,7 +405,7 @@ class ModelRunner:
         starts = [r.kv_len for r in reqs]
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(rope_positions(r, start, n, None if tree_parents is None else tree_parents[i]))
+            pos.extend(self._positions(r, start, n, None if tree_parents is None else tree_parents[i]))
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
@@ -462,7 +482,7 @@ class ModelRunner:
             for j in range(w):
                 k = min(j, n - 1)
                 ids.append(tokens[k])
-                pos.append(start + k + r.rope_delta)
+                pos.append(start + k + self._shift(r, start))
                 kv_lens.append(start + k + 1)
                 rows.append(r.req_pool_idx)
             fed.extend(range(i * w, i * w + n))
@@ -536,9 +556,9 @@ class ModelRunner:
         self.req_to_token.sync_mirror()  # the sequence's slots, the new tokens' included, read by attention
         inputs = self.extend_inputs
         lora_slot = req.lora_slot if self.serves_lora else 0
-        shift = 0 if req.images is None else req.images.shift(start)  # (no image token here: forward_extend)
+        shift = self._shift(req, start)  # (no image token here: forward_extend)
         inputs.fill(ids, range(start + shift, start + shift + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks,
-                    lora_slot)
+                    lora_slot, cached=start)
         graphs = self.extend_graphs if not lora_slot else self.lora_extend_graphs
         if graphs is not None:
             return graphs.replay(bucket)
@@ -822,12 +842,6 @@ def _token_at(req: Req, i: int) -> int:
     """``req.fill_ids[i]`` without building the prompt + output list."""
     n = len(req.input_ids)
     return req.input_ids[i] if i < n else req.output_ids[i - n]
-
-
-def rope_positions(req: Req, start: int, n: int, parents: list[int] | None) -> range | list[int]:
-    """:func:`fed_positions` of ``req``'s tokens from ``start``, where a prompt's images shift them (no
-    image token among them: ``multimodal.PromptImages.shift``)."""
-    return fed_positions(start + (0 if req.images is None else req.images.shift(start)), n, parents)
 
 
 def fed_positions(start: int, n: int, parents: list[int] | None) -> range | list[int]:

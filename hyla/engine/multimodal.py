@@ -12,9 +12,12 @@ keys the tree sees (``Req.fill_keys``), each image's tokens take a negative id d
 and images agree. The model still reads the placeholder id (``Req.tokens``), whose embedding the
 image's replaces (``ForwardBatch.mm_rows``).
 
-The vision tower runs when a prefill chunk first needs rows of an image (:meth:`PromptImages.embeddings`),
-not for an image the prefix cache already holds; its output stays with the request (a retracted
-request prefills again without it), and the patches are dropped then.
+The vision tower runs when a prefill chunk first needs rows of an image, and not for an image the prefix
+cache already holds: the scheduler has it run as it adds the chunk to a step (:meth:`PromptImages.encode`,
+outside the step, so that a failure ends only that request), and the step reads the rows it feeds
+(:meth:`PromptImages.embeddings`). The embeddings are dropped once the prefill has passed the image
+(:meth:`PromptImages.release`); the image itself, its resized uint8 pixels, stays with the request, which
+runs the tower again should it prefill the image again (after a retraction, its cache evicted).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from typing import Callable, Sequence
 import torch
 
 from hyla.model.image_processing import ProcessedImage
+
+Encoder = Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor]
+"""The vision tower: ``(pixel_values [P, patch_dim], grids) -> embeddings [P / merge**2, hidden]``."""
 from hyla.model.vision import VisionConfig, image_positions
 
 
@@ -36,8 +42,8 @@ class PromptImage:
     num_tokens: int
     grid: tuple[int, int, int]
     key: int  # the id its tokens take in the cache's keys (negative, from its digest)
-    pixel_values: torch.Tensor | None  # [t*h*w, patch_dim] fp32 until the tower has run
-    embeds: torch.Tensor | None = None  # [num_tokens, hidden] in the model dtype, on its device, once it has
+    image: ProcessedImage  # its pixels (uint8, on the host): kept while the request lives
+    embeds: torch.Tensor | None = None  # [num_tokens, hidden] in the model dtype, on its device, while needed
 
     @property
     def end(self) -> int:
@@ -83,18 +89,33 @@ class PromptImages:
         after = torch.arange(max(start, self.prompt_len), start + n) + self.rope_delta
         return torch.cat([inside, after.expand(3, rest)], dim=1)
 
-    def embeddings(self, start: int, end: int,
-                   encode: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor]
-                   ) -> tuple[list[int], torch.Tensor | None]:
-        """The image rows of tokens ``[start, end)``: their offsets from ``start`` and their embeddings
-        ``[K, hidden]`` (None when there are none). ``encode(pixel_values, grids)``: the vision tower,
-        run here once for the images it has not embedded yet (together), whose patches it then drops."""
-        wanted = [item for item in self.items if item.offset < end and start < item.end]
-        new = [item for item in wanted if item.embeds is None]
+    def _touched(self, start: int, end: int) -> list[PromptImage]:
+        return [item for item in self.items if item.offset < end and start < item.end]
+
+    def needs_encoding(self, start: int, end: int) -> bool:
+        """Whether tokens ``[start, end)`` reach an image not embedded now."""
+        return any(item.embeds is None for item in self._touched(start, end))
+
+    def encode(self, start: int, end: int, encode: Encoder) -> None:
+        """Run the vision tower ``encode`` (once, on them together) for the images tokens ``[start, end)``
+        reach that are not embedded now."""
+        new = [item for item in self._touched(start, end) if item.embeds is None]
         if new:
-            out = encode(torch.cat([item.pixel_values for item in new]), [item.grid for item in new])
+            out = encode(torch.cat([item.image.pixel_values for item in new]), [item.grid for item in new])
             for item, embeds in zip(new, out.split([item.num_tokens for item in new])):
-                item.embeds, item.pixel_values = embeds, None
+                item.embeds = embeds
+
+    def release(self, done: int) -> None:
+        """Drop the embeddings of the images wholly among the first ``done`` tokens (computed: a prefill's)."""
+        for item in self.items:
+            if item.end <= done:
+                item.embeds = None
+
+    def embeddings(self, start: int, end: int, encode: Encoder) -> tuple[list[int], torch.Tensor | None]:
+        """The image rows of tokens ``[start, end)``: their offsets from ``start`` and their embeddings
+        ``[K, hidden]`` (None when there are none); the images not embedded yet are first (:meth:`encode`)."""
+        self.encode(start, end, encode)
+        wanted = self._touched(start, end)
         rows: list[int] = []
         parts: list[torch.Tensor] = []
         for item in wanted:
@@ -124,17 +145,19 @@ def expand_images(input_ids: Sequence[int], images: Sequence[ProcessedImage],
     columns: list[torch.Tensor] = []
     pos, prev = 0, 0
     for mark, image in zip(marks, images):
-        if image.merge_size != vision.spatial_merge_size or image.pixel_values.shape[1] != vision.patch_dim:
-            raise ValueError(f"an image's patches ({image.pixel_values.shape[1]} values, merge {image.merge_size}) "
-                             f"are not the vision tower's ({vision.patch_dim}, merge {vision.spatial_merge_size})")
+        c = image.config
+        if (c.patch_size, c.temporal_patch_size, c.merge_size) != (
+                vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size):
+            raise ValueError(f"an image's patches ({c.patch_size} pixels, {c.temporal_patch_size} frames, merge "
+                             f"{c.merge_size}) are not the vision tower's ({vision.patch_size}, "
+                             f"{vision.temporal_patch_size}, {vision.spatial_merge_size})")
         text = mark - prev
         columns.append(torch.arange(pos, pos + text).expand(3, text))
         pos += text
         ids.extend(input_ids[prev:mark])
         places, pos = image_positions(pos, image.grid_thw, vision.spatial_merge_size)
         columns.append(places)
-        items.append(PromptImage(len(ids), image.num_tokens, image.grid_thw, image_key(image.digest),
-                                 image.pixel_values))
+        items.append(PromptImage(len(ids), image.num_tokens, image.grid_thw, image_key(image.digest), image))
         ids.extend([tok] * image.num_tokens)
         prev = mark + 1
     text = len(input_ids) - prev

@@ -315,6 +315,9 @@ class Scheduler:
                                 insert=not batch.is_decode)
         if batch.num_mixed:
             self.cache.commit_batch(batch.reqs[k:], batch.lens[k:], None, insert=False)
+        for r in batch.reqs[:k]:
+            if r.images is not None:  # the embeddings of the images its prefill has passed
+                r.images.release(r.kv_len)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.num_fill]
         if ready:
             rows = logits if len(ready) == len(batch.reqs) else logits[ready]
@@ -628,6 +631,8 @@ class Scheduler:
                         loc, n = self._admit(req, budget, bool(held))
                         while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
                             loc, n = self._admit(req, budget, bool(held))
+                        if loc is not None:  # (its images' tower run here, out of the step: a failure ends it alone)
+                            self._embed_images(req, n)
                         if loc is not None and req.lora_uid:  # (once it fits: preempted, or written, for nothing else)
                             for victim in slot_victims:
                                 if victim in self.running:  # (not one retracted for its seat or memory already)
@@ -670,10 +675,24 @@ class Scheduler:
             n = self._chunk_len(req, budget)
             if n == 0 or not self.cache.can_allocate([req], [n]):
                 break
+            try:
+                self._embed_images(req, n)
+            except Exception as exc:  # (its images' tower failed: it alone ends)
+                logger.exception("request %s: the vision tower failed; aborting it", req.rid)
+                self._end_after_error(req, internal_error(exc))
+                continue
             batch.add(req, n, self.cache.allocate([req], [n]),
                       self.cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
             budget -= n
         return budget
+
+    def _embed_images(self, req: Req, n: int) -> None:
+        """Run the vision tower for the images ``req``'s next ``n`` tokens reach and it has not embedded
+        (``multimodal.py``), before its chunk joins a step."""
+        if req.images is not None and req.images.needs_encoding(req.kv_len, req.kv_len + n):
+            encode = getattr(self.runner, "encode_images", None)
+            if encode is not None:
+                encode(req, req.kv_len, req.kv_len + n)
 
     def _refuse(self, req: Req, exc: Exception) -> None:
         """Admitting ``req`` raised: finish it as aborted (cause ``internal``), returning whatever the

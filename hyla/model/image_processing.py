@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import PIL.Image
@@ -222,40 +222,63 @@ def _is_number(value: Any) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class ProcessedImage:
-    """One image, ready for the vision encoder.
+    """One image, ready for the vision encoder: its resized RGB ``pixels`` (uint8 ``[H, W, 3]``, sides multiples
+    of ``config.factor``), kept as they are, a quarter of the size of the floats they become (and an eighth of
+    the patches, which repeat each value ``temporal_patch_size`` times); ``pixel_values`` computes the patches
+    when the encoder needs them.
 
-    ``pixel_values``: ``[grid_t * grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` float32, one row
-    per patch in HF's layout (see the module docstring); ``grid_thw``: ``(1, grid_h, grid_w)`` in patches;
-    ``digest``: sha256 over the grid, ``merge_size`` and the pixel values' bytes, so equal images (under one
-    config) have equal digests. Compared by identity (``pixel_values`` is a tensor); compare ``digest``.
-    ``ValueError`` for a grid that is not 3 positive integers, sides not multiples of ``merge_size``, or
-    pixel values of another shape or dtype."""
+    ``grid_thw``: ``(1, grid_h, grid_w)`` in patches; ``digest``: sha256 over the config, the grid and the
+    pixels, so equal images (under one config) have equal digests. Compared by identity (``pixels`` is an
+    array); compare ``digest``. ``ValueError`` for pixels that are not such an array, or a grid that is not theirs."""
 
-    pixel_values: torch.Tensor
+    pixels: np.ndarray
     grid_thw: tuple[int, int, int]
-    merge_size: int
+    config: ImageProcessorConfig
     digest: bytes
 
     def __post_init__(self) -> None:
+        px, c = self.pixels, self.config
+        if not isinstance(c, ImageProcessorConfig):
+            raise ValueError(f"config must be an ImageProcessorConfig, got {type(c).__name__}")
+        if not isinstance(px, np.ndarray) or px.dtype != np.uint8 or px.ndim != 3 or px.shape[2] != 3:
+            raise ValueError("pixels must be a uint8 [H, W, 3] array")
+        if px.shape[0] % c.factor or px.shape[1] % c.factor or not px.shape[0] or not px.shape[1]:
+            raise ValueError(f"pixels of {px.shape[0]}x{px.shape[1]} are not a multiple of {c.factor} on each side")
         grid = tuple(self.grid_thw)
-        if len(grid) != 3 or not all(_is_int(g) and g > 0 for g in grid):
-            raise ValueError(f"grid_thw must be 3 positive integers, got {self.grid_thw!r}")
-        if not _is_int(self.merge_size) or self.merge_size <= 0:
-            raise ValueError(f"merge_size must be a positive integer, got {self.merge_size!r}")
-        if grid[1] % self.merge_size or grid[2] % self.merge_size:
-            raise ValueError(f"grid {grid} is not a multiple of merge_size {self.merge_size}")
-        pv = self.pixel_values
-        if not isinstance(pv, torch.Tensor) or pv.dtype != torch.float32 or pv.ndim != 2:
-            raise ValueError("pixel_values must be a 2-D float32 tensor")
-        if pv.shape[0] != math.prod(grid):
-            raise ValueError(f"pixel_values has {pv.shape[0]} rows for a grid of {math.prod(grid)} patches")
+        if grid != (1, px.shape[0] // c.patch_size, px.shape[1] // c.patch_size):
+            raise ValueError(f"grid_thw {self.grid_thw!r} is not the pixels' (1, {px.shape[0] // c.patch_size}, "
+                             f"{px.shape[1] // c.patch_size})")
         object.__setattr__(self, "grid_thw", tuple(int(g) for g in grid))
+
+    @property
+    def merge_size(self) -> int:
+        return self.config.merge_size
 
     @property
     def num_tokens(self) -> int:
         """The placeholder tokens the image fills in the prompt: ``t * h * w // merge_size**2``."""
         t, h, w = self.grid_thw
         return t * h * w // self.merge_size**2
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """``[grid_t * grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` float32: one row per patch in
+        HF's layout (the module's docstring), computed anew from ``pixels`` at each call."""
+        c = self.config
+        # HF's order of float operations: uint8 -> float64 * (1/255) -> float32, then (x - mean) / std in float32
+        scaled = (self.pixels.astype(np.float64) * RESCALE_FACTOR).astype(np.float32)
+        mean = np.asarray(c.image_mean, dtype=np.float32)
+        std = np.asarray(c.image_std, dtype=np.float32)
+        normalized = np.moveaxis((scaled - mean) / std, -1, 0)  # [3, H, W]
+        patches, _, _ = _patchify(normalized, c.patch_size, c.merge_size, c.temporal_patch_size)
+        return torch.from_numpy(patches)
+
+
+def image_tokens(width: int, height: int, config: ImageProcessorConfig) -> int:
+    """The placeholder tokens an image of ``width x height`` pixels fills once processed (``smart_resize``'s size
+    in merged patches): known from its header, before its pixels are decoded. ``ValueError`` as ``smart_resize``."""
+    h, w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+    return (h // config.factor) * (w // config.factor)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -310,20 +333,9 @@ def process_image(image: PIL.Image.Image, config: ImageProcessorConfig) -> Proce
         raise ValueError(f"the image is empty ({width}x{height} pixels)")
     new_height, new_width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
     resized = to_rgb(image).resize((new_width, new_height), resample=RESAMPLE)
-    pixels = np.asarray(resized, dtype=np.uint8)  # [H, W, 3]
-    # HF's order of float operations: uint8 -> float64 * (1/255) -> float32, then (x - mean) / std in float32
-    scaled = (pixels.astype(np.float64) * RESCALE_FACTOR).astype(np.float32)
-    mean = np.asarray(config.image_mean, dtype=np.float32)
-    std = np.asarray(config.image_std, dtype=np.float32)
-    normalized = np.moveaxis((scaled - mean) / std, -1, 0)  # [3, H, W]
-    patches, grid_h, grid_w = _patchify(normalized, config.patch_size, config.merge_size, config.temporal_patch_size)
-    grid = (1, grid_h, grid_w)
-    return ProcessedImage(
-        pixel_values=torch.from_numpy(patches),
-        grid_thw=grid,
-        merge_size=config.merge_size,
-        digest=_digest(grid, config.merge_size, patches),
-    )
+    pixels = np.ascontiguousarray(np.asarray(resized, dtype=np.uint8))  # [H, W, 3]
+    grid = (1, new_height // config.patch_size, new_width // config.patch_size)
+    return ProcessedImage(pixels=pixels, grid_thw=grid, config=config, digest=_digest(grid, config, pixels))
 
 
 def _patchify(
@@ -344,15 +356,18 @@ def _patchify(
     return flat.astype(np.float32, copy=False), grid_h, grid_w
 
 
-def _digest(grid: tuple[int, int, int], merge_size: int, patches: np.ndarray) -> bytes:
-    """sha256 over the grid, the merge size, the row width and the pixel values' little-endian float32 bytes."""
-    h = hashlib.sha256(b"hyla.image.v1")
-    h.update(np.asarray([*grid, merge_size, patches.shape[1]], dtype="<i8").tobytes())
-    h.update(np.ascontiguousarray(patches, dtype="<f4").tobytes())
+def _digest(grid: tuple[int, int, int], config: ImageProcessorConfig, pixels: np.ndarray) -> bytes:
+    """sha256 over the config's fields, the grid and the resized pixels' bytes."""
+    h = hashlib.sha256(b"hyla.image.v2")
+    h.update(repr((config.patch_size, config.temporal_patch_size, config.merge_size, config.image_mean,
+                   config.image_std)).encode())
+    h.update(np.asarray(grid, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(pixels, dtype=np.uint8).tobytes())
     return h.digest()
 
 
-def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS) -> PIL.Image.Image:
+def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS,
+               check_size: Callable[[int, int], None] | None = None) -> PIL.Image.Image:
     """A request's image, decoded. ``source``: a ``PIL.Image.Image``; ``bytes`` / ``bytearray`` holding an
     encoded file (PNG, JPEG, WebP, GIF, BMP, TIFF, AVIF: ``IMAGE_FORMATS``); a ``str`` data URL
     (``data:image/png;base64,...``; base64 only, padding optional, whitespace ignored); an ``os.PathLike``
@@ -364,13 +379,14 @@ def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int
     cannot be read, bytes that are not an image of ``IMAGE_FORMATS`` (or are truncated or corrupt), an
     image of no pixels or of more than ``max_pixels`` (checked from the header before its pixels are
     decoded; PIL's own decompression-bomb warning and error become this ``ValueError`` too), a source of
-    another type, negative limits."""
+    another type, negative limits. ``check_size(width, height)``, called from the header too, before the
+    pixels are decoded, may refuse the image with its own ``ValueError`` (a budget of tokens)."""
     if not _is_int(max_bytes) or max_bytes < 0:
         raise ValueError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
     if not _is_int(max_pixels) or max_pixels < 0:
         raise ValueError(f"max_pixels must be a non-negative integer, got {max_pixels!r}")
     if isinstance(source, PIL.Image.Image):
-        return _checked_pil(source, max_pixels)
+        return _checked_pil(source, max_pixels, check_size)
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, str) and source[:5].lower() == "data:":
@@ -385,7 +401,7 @@ def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int
         raise ValueError("the image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise ValueError(f"the image is {len(data)} bytes, more than the limit of {max_bytes}")
-    return _decode(data, max_pixels)
+    return _decode(data, max_pixels, check_size)
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -441,7 +457,7 @@ def _image_formats() -> list[str]:
     return [f for f in IMAGE_FORMATS if f in PIL.Image.OPEN]
 
 
-def _decode(data: bytes, max_pixels: int) -> PIL.Image.Image:
+def _decode(data: bytes, max_pixels: int, check_size: Callable[[int, int], None] | None) -> PIL.Image.Image:
     """The image encoded in ``data``, checked against ``max_pixels`` from its header and then fully decoded.
     (PIL's decompression-bomb check at ``open`` raises past twice its own limit, and only warns below that:
     ``max_pixels`` refuses those. No warning filter is touched: the filters are process-wide, and images
@@ -457,11 +473,13 @@ def _decode(data: bytes, max_pixels: int) -> PIL.Image.Image:
         ) from None
     except Exception as exc:  # (PIL's readers raise many types for malformed headers)
         raise ValueError(f"the image cannot be decoded ({type(exc).__name__}: {exc})") from None
-    return _checked_pil(image, max_pixels)
+    return _checked_pil(image, max_pixels, check_size)
 
 
-def _checked_pil(image: PIL.Image.Image, max_pixels: int) -> PIL.Image.Image:
-    """``image`` checked for size, then loaded; its first frame (a copy) where it is animated."""
+def _checked_pil(image: PIL.Image.Image, max_pixels: int,
+                 check_size: Callable[[int, int], None] | None = None) -> PIL.Image.Image:
+    """``image`` checked for size (and by ``check_size``), then loaded; its first frame (a copy) where it is
+    animated."""
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ValueError(f"the image is empty ({width}x{height} pixels)")
@@ -469,6 +487,8 @@ def _checked_pil(image: PIL.Image.Image, max_pixels: int) -> PIL.Image.Image:
         raise ValueError(
             f"the image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}"
         )
+    if check_size is not None:
+        check_size(width, height)
     try:
         if getattr(image, "is_animated", False):  # (not n_frames: that decodes every frame of a GIF)
             position = image.tell()

@@ -128,6 +128,9 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
     job = jobs[0]
     if isinstance(job.prompt, str):  # /generate's text, left untokenized: the model has no tokenizer
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
+    if job.image_data:  # (a decode worker computes such a prompt itself: disaggregation_answer)
+        raise APIError(400, "a prompt with images is not prefilled elsewhere: send it to the decode worker",
+                       code="images_not_disaggregated")
     # what a cache can serve of the request (prompt logprobs: up to the first position whose logits they need), and
     # the token after it: its prefix is what the decode worker's request will hit
     ids = job.prompt[:new_request_match_limit(len(job.prompt), job.logprob_start_len) + 1]

@@ -208,6 +208,9 @@ class OpenAIRoutes:
         # a prefill (the final assistant message, continued): the answer is what the model writes after it
         prefill = final_text(body.messages) if body.continue_final_message else None
         if body.truncate_prompt_tokens is not None:
+            if any(m.image_urls() for m in body.messages):
+                raise APIError(400, "truncate_prompt_tokens cuts the prompt's tokens, and cannot cut its images' (it "
+                                    "takes a chat without images)", param="truncate_prompt_tokens")
             encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
                                                                body.max_new_tokens()))
         images = await chat_images(self.server, engine, body.messages)
@@ -230,8 +233,10 @@ class OpenAIRoutes:
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         in_thinking = opens_thinking(self.server, encoding.text, prefill)
+        # the prompt as fed (its images' tokens too: what usage counts), for return_token_ids
+        prompt_ids = engine.prompt_ids(encoding.ids, images) if images and body.return_token_ids else encoding.ids
         if body.stream:
-            return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
+            return gen.stream(self._chat_events(body, gen, rid, in_thinking, prompt_ids))
         collected = await gen.collect(request)
 
         def answer() -> dict[str, Any]:  # (on a worker thread: json_answer)
@@ -250,7 +255,7 @@ class OpenAIRoutes:
                     token_ids=list(c.output_ids) if body.return_token_ids else None))
             return ChatCompletionResponse(id=rid, model=body.model, choices=choices,
                                           usage=usage(gen.choices, body.n),
-                                          prompt_token_ids=encoding.ids if body.return_token_ids else None).model_dump()
+                                          prompt_token_ids=prompt_ids if body.return_token_ids else None).model_dump()
         return await json_answer(answer)
 
     async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str,
@@ -330,6 +335,7 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
     event loop); ``continue_final_message``: the prompt ends inside the final message (a prefill; the
     request checked its rules: ``prefill_error``). A template's ``ValueError`` (one that cannot leave
     the final message open among them) is a 400 naming ``messages`` or ``chat_template_kwargs``."""
+    check_takes_images(server.admit(), chat)
     messages = server.tool_call_parser.for_template([m.for_template() for m in chat],
                                                     tokenizer.chat_template_for(tools))
     reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
@@ -418,15 +424,21 @@ async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage]) -
     urls = [url for m in chat for url in m.image_urls()]
     if not urls:
         return None
-    if engine.image_processor is None:  # (before fetching anything)
-        raise APIError(400, f"this model ({engine.model_config.architecture}) takes no images: send text content "
-                            "parts only", param="messages")
+    check_takes_images(engine, chat)  # (before fetching anything)
     fetched = iter(await server.media.fetch_all([u for u in urls if is_fetched(u)], "messages"))
     sources = [next(fetched) if is_fetched(u) else u for u in urls]
     try:
         return await asyncio.to_thread(engine.process_images, sources)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+def check_takes_images(engine: Engine, chat: list[ChatMessage]) -> None:
+    """A 400 naming ``messages`` where the chat has images and the model takes none (before its template
+    meets the image parts it does not know)."""
+    if engine.image_processor is None and any(m.image_urls() for m in chat):
+        raise APIError(400, f"this model ({engine.model_config.architecture}) takes no images: send text content "
+                            "parts only", param="messages")
 
 
 def image_tokens(images: list[ProcessedImage] | None) -> int:

@@ -226,6 +226,11 @@ def input_conversation(history: list[dict[str, Any]], items: list[InputItem]) ->
     return history + messages
 
 
+def _image_urls(chat: ChatCompletionRequest) -> list[str]:
+    """The chat's images (URLs), in order."""
+    return [url for m in chat.messages for url in m.image_urls()]
+
+
 def listed_item(item: InputItem) -> dict[str, Any]:
     """An input item as ``GET /v1/responses/{id}/input_items`` lists it (the SDK's ``ResponseItem``): its own
     ``id``, else a new one (``msg_<hex>``, ``fc_``, ``fco_``, ``rs_``); ``status`` as sent, else completed;
@@ -597,9 +602,12 @@ class ResponsesRoutes:
         chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
             encoding = await self._render(engine, chat)
-            if body.truncation == "auto":
-                chat, encoding = await self._truncated(body, engine, conversation, chat, encoding)
             images = await chat_images(self.server, engine, chat.messages)
+            if body.truncation == "auto":  # (the images' tokens counted: each URL's, processed once)
+                by_url = dict(zip(_image_urls(chat), images or ()))
+                chat, encoding = await self._truncated(body, engine, conversation, chat, encoding,
+                                                       {url: image.num_tokens - 1 for url, image in by_url.items()})
+                images = [by_url[url] for url in _image_urls(chat)] or None
             max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_output_tokens,
                                     "max_output_tokens", "input")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
@@ -613,16 +621,21 @@ class ResponsesRoutes:
                                  max_boundaries=CHAT_CHECKPOINTS)
 
     async def _truncated(self, body: ResponsesRequest, engine: Engine, conversation: list[dict[str, Any]],
-                         chat: ChatCompletionRequest, encoding: ChatEncoding
+                         chat: ChatCompletionRequest, encoding: ChatEncoding, image_tokens: dict[str, int]
                          ) -> tuple[ChatCompletionRequest, ChatEncoding]:
         """``truncation: "auto"``: where the prompt leaves no room for ``max_output_tokens`` (one token where
         not given), the fewest of the conversation's oldest turns dropped that make room — whole turns, each
         from a user message to the next, after its leading system and developer messages (and
         ``instructions``), so a call's output never loses its call; the last turn is always kept (a prompt
         that does not fit even so is the 400 it would be without truncation). The stored conversation stays
-        whole: each turn that continues it is truncated anew. Found by bisection, a render per step."""
+        whole: each turn that continues it is truncated anew. Found by bisection, a render per step. A prompt's
+        length counts its images' tokens (``image_tokens``: each image URL's beyond its placeholder)."""
         need, context = body.max_output_tokens or 1, engine.context_length
-        if len(encoding.ids) + need <= context:
+
+        def length(c: ChatCompletionRequest, e: ChatEncoding) -> int:
+            return len(e.ids) + sum(image_tokens[url] for url in _image_urls(c))
+
+        if length(chat, encoding) + need <= context:
             return chat, encoding
         lead = 0
         while lead < len(conversation) and conversation[lead]["role"] in ("system", "developer"):
@@ -634,7 +647,7 @@ class ResponsesRoutes:
             kept = conversation[:lead] + conversation[turns[k]:]
             shorter = self._chat_request(body, with_instructions(body.instructions, kept))
             rendered = await self._render(engine, shorter)
-            if len(rendered.ids) + need <= context:
+            if length(shorter, rendered) + need <= context:
                 best, hi = (shorter, rendered), k - 1
             else:
                 lo = k + 1

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyla.engine.engine import Engine
 from hyla.server.errors import APIError
-from hyla.server.openai_routes import render_chat
+from hyla.server.openai_routes import chat_images, render_chat
 from hyla.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from hyla.tokenizer import Tokenizer
 
@@ -54,6 +54,12 @@ class TokenRoutes:
             ids = (await render_chat(self.server, tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                                      continue_final_message=body.continue_final_message)).ids
+            images = await chat_images(self.server, engine, body.messages)
+            if images:  # each placeholder repeated to its image's tokens: the prompt as the engine feeds it
+                try:
+                    ids = await asyncio.to_thread(engine.prompt_ids, ids, images)
+                except ValueError as exc:
+                    raise APIError(400, str(exc), param="messages") from None
         else:  # as /v1/completions tokenizes a text prompt
             (ids,) = await self.server.encode_texts(tokenizer, [body.prompt or ""], "prompt",
                                                     add_special_tokens=body.add_special_tokens is not False)
