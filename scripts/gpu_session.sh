@@ -6,7 +6,8 @@
 # Stages (each bounded by a timeout, its log in --out):
 #   tests    the GPU tests: fused kernels against the PyTorch references, CUDA-graph and overlap
 #            decode against eager, extend graphs against eager fused extends, the cache differential under pressure,
-#            a warmed-up engine's bits against an unwarmed one's, mixed chunked prefill against plain steps (~50-120 s);
+#            a warmed-up engine's bits against an unwarmed one's, mixed chunked prefill against plain steps, images
+#            (their cache workload on CUDA against the CPU, text after an image through fused extends) (~60-140 s);
 #            then the kernels' offsets past 2^31 elements (tests/test_kernel_offsets.py, one worker: 16-32 GiB a case)
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
@@ -93,7 +94,9 @@ for s in "$@"; do
                    tests/test_engine_mixed_chunk.py \
                    tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights \
                    tests/test_engine_lora.py::test_adapters_on_a_gpu_equal_their_merged_models \
-                   tests/test_engine_lora.py::test_shrink_and_expand_kernels_equal_the_masked_gemms 2>&1 \
+                   tests/test_engine_lora.py::test_shrink_and_expand_kernels_equal_the_masked_gemms \
+                   tests/test_engine_images.py::test_images_on_a_gpu_equal_the_cpu \
+                   tests/test_engine_images.py::test_fused_extends_after_an_image_run_at_its_positions 2>&1 \
                    | tee "$out/tests.log" | tail -30
                # one worker: each case holds 16-32 GiB of device memory (rows 2^31 elements apart)
                timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_kernel_offsets.py 2>&1 \

@@ -382,3 +382,23 @@ def test_fused_extends_after_an_image_run_at_its_positions(qwen3_5_vl_short_path
         got = turns(fused)
     assert len(ran) >= 2, ran  # (the text after the image in the first turn, the second turn's new text)
     assert compare_outputs(got, want) == 6
+
+
+@pytest.mark.gpu
+def test_images_on_a_gpu_equal_the_cpu(qwen3_5_vl_path):
+    """On CUDA, fp32, the default engine (fused kernels, CUDA graphs, fused extends, the overlap schedule):
+    the cache workload with images, cache on, equals the CPU engine's with the cache off (the tower and an
+    image's extend on the PyTorch path, the text after it through the fused extends and decode graphs)."""
+    images = [png(10 + i, 64, 64) for i in range(3)] + [png(20, 40, 56)]
+    specs = make_image_workload(1, images)
+
+    def run(engine: Engine, wave: list[dict]) -> list[dict]:
+        return engine.generate(input_ids=[s["ids"] for s in wave], image_data=[s["images"] for s in wave],
+                               sampling_params=[greedy(s["max_new"]) for s in wave], return_logprob=True)
+
+    with Engine(qwen3_5_vl_path, device="cuda", max_running_requests=6, chunked_prefill_size=12) as gpu:
+        got = run(gpu, specs) + run(gpu, specs[::-1])
+        assert sum(o["meta_info"]["cached_tokens"] for o in got[len(specs):]) > 0
+    with Engine(qwen3_5_vl_path, max_running_requests=6, chunked_prefill_size=12, enable_prefix_cache=False) as cpu:
+        want = run(cpu, specs) + run(cpu, specs[::-1])
+    assert compare_outputs(got, want) > 300
