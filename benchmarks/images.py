@@ -134,13 +134,14 @@ def main() -> None:
                 data = png(100 + rnd, args.size)
                 image = process_image(load_image(data), config)
                 num_tokens = image.num_tokens
-                prep = timed(lambda: process_image(load_image(data), config))
+                # (to the patches, as transformers' processor gives them: hyla computes them from the pixels it keeps)
+                prep = timed(lambda: process_image(load_image(data), config).pixel_values)
                 prep_peer = timed(lambda: peer_processor(images=[PIL.Image.open(io.BytesIO(data))],
                                                          return_tensors="pt"))
-                grid = [image.grid_thw]
+                grid, patches = [image.grid_thw], image.pixel_values
                 with torch.no_grad():
-                    tower = timed(lambda: engine.model.visual(image.pixel_values, grid))
-                    tower_peer = timed(lambda: hf.model.visual(image.pixel_values, grid_thw=torch.tensor(grid)))
+                    tower = timed(lambda: engine.model.visual(patches, grid))
+                    tower_peer = timed(lambda: hf.model.visual(patches, grid_thw=torch.tensor(grid)))
                 first = turn(rng.randint(10, vocab, 12).tolist())
                 after_image = len(system) + 3  # (a chat's message end: its state kept)
                 cold = timed(lambda: engine.generate(input_ids=first, image_data=[data], checkpoints=[after_image],

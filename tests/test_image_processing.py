@@ -435,7 +435,7 @@ def test_config_from_dir_without_a_file_is_the_default(tmp_path):
         ('{"patch_size": 14}', "patch_size is 14"),
         ('{"merge_size": 1}', "merge_size is 1"),
         ('{"temporal_patch_size": 1}', "temporal_patch_size is 1"),
-        ('{"patch_size": 16,', "not valid JSON"),
+        ('{"patch_size": 16,', "not valid UTF-8 JSON"),
         ("[1, 2]", "JSON object"),
         ('{"patch_size": "16"}', "patch_size must be an integer"),
         ('{"size": [1, 2]}', "size must be an object"),

@@ -31,7 +31,9 @@ recurrent mixer uses state buffer ``linear_ordinal(i)``.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -78,6 +80,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
     return _DTYPES[key]
+
+
+def read_json(file: str | os.PathLike) -> Any:
+    """The JSON value in ``file`` (a checkpoint's config or index); ``ValueError`` naming the file where it
+    cannot be read, or is not UTF-8 JSON."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{file} cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # (invalid JSON, or not UTF-8)
+        raise ValueError(f"{file} is not valid UTF-8 JSON ({exc})") from None
 
 
 def decode_json_floats(value: Any) -> Any:

@@ -24,7 +24,6 @@ import base64
 import binascii
 import hashlib
 import io
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -34,6 +33,8 @@ from typing import Any, Callable
 import numpy as np
 import PIL.Image
 import torch
+
+from hyla.model.config import read_json
 
 RESCALE_FACTOR = 1 / 255
 """HF's ``rescale_factor``: uint8 pixel values -> [0, 1]."""
@@ -143,13 +144,7 @@ def _read_processor_dict(path: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def _json_object(file: Path) -> dict[str, Any]:
     """The JSON object in ``file``; ``ValueError`` naming it for anything else."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            content = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"{file} cannot be read ({exc.strerror or exc})") from None
-    except ValueError as exc:  # (invalid JSON, or not UTF-8)
-        raise ValueError(f"{file} is not valid JSON ({exc})") from None
+    content = read_json(file)
     if not isinstance(content, dict):
         raise ValueError(f"{file} does not hold a JSON object")
     return content

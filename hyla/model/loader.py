@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hyla.model.architectures import ARCHITECTURES
-from hyla.model.config import ModelConfig, parse_dtype
+from hyla.model.config import ModelConfig, parse_dtype, read_json
 from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
 from hyla.model.quantization import (BLOCK_SCALE, FP8, FP8_DTYPES, INPUT_SCALE, ONLINE_BLOCK, TENSOR_SCALE,
                                      Fp8Scheme, attach_scales_, block_form, fp8_scales, is_fp8, keep_fp8_targets)
@@ -126,13 +126,7 @@ def _shard_map(path: Path) -> dict[str, Path]:
 def _weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` of the index file ``index`` (tensor name -> shard file name); ``ValueError``
     naming the file unless it is UTF-8 JSON holding an object with such a map."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            content = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"{index} cannot be read ({exc.strerror or exc})") from None
-    except ValueError as exc:  # (invalid JSON, or not UTF-8)
-        raise ValueError(f"{index} is not valid UTF-8 JSON ({exc})") from None
+    content = read_json(index)
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no weight_map (an object of tensor name -> shard file name)")

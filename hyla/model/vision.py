@@ -131,8 +131,9 @@ class VisionBlock(nn.Module):
         n, h = x.shape[0], self.num_heads
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, h, -1).unbind(1)  # [N, H, Dh] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-               for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]  # [H, n_i, Dh]
+        # [1, H, n_i, Dh] per image: 4-D, so that the CPU's flash kernel runs it (3-D falls to the math path: 3x)
+        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in qkv))[0]
+               for qkv in zip(q.split(lengths), k.split(lengths), v.split(lengths))]  # [H, n_i, Dh]
         x = x + self.proj(torch.cat([o.transpose(0, 1) for o in out]).reshape(n, -1))
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
