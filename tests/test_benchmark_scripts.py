@@ -450,7 +450,7 @@ def test_lora_measures_every_mix_against_the_base_model():
     """The tiny model, one round: adapters made for every projection an adapter may target, every metric of
     every mix of requests, as a ratio against the base model's engine; then the adapters taking turns in one
     slot, written into it more than once each round."""
-    out = _run("benchmarks/lora.py", "--tiny", "--repeats", "1", "--context", "32", "--new-tokens", "4",
+    out = _run("benchmarks/lora.py", "--tiny", "--repeats", "1", "--context", "32", "--new-tokens", "12",
                "--prefill", "48", "--batch", "4", "--adapters", "2", "--rank", "4", "--no-write")
     mixes, turns = out.split("Adapters taking turns")
     rows = {r.split("|")[1].strip(): r.split("|")[2:6] for r in mixes.splitlines() if r.startswith("| ") and "---" not in r}
