@@ -45,7 +45,7 @@ from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
 from hyla.engine.lora_manager import Loaded, LoRAManager, check_lora_name, lora_namespace
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
-from hyla.engine.multimodal import expand_images
+from hyla.engine.multimodal import PromptImages, expand_images
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req, ReqStatus
@@ -953,9 +953,7 @@ class Engine:
         that cannot be read, images whose tokens fill the context (known from each header, before its pixels
         are decoded), or a model without a vision tower. Decoding takes milliseconds an image: not on an event
         loop."""
-        if self.image_processor is None:
-            raise RequestError(f"image_data: model {self.model_path} ({self.model_config.architecture}) takes no "
-                               "images (a vision-language checkpoint with a vision_config does)", "image_data")
+        self._check_takes_images()
         config, total = self.image_processor, 0
 
         def count(tokens: int) -> None:
@@ -981,45 +979,35 @@ class Engine:
         """``input_ids`` as a request with ``image_data`` feeds them: each image's placeholder repeated to its
         token count (``generate``'s ``image_data``), what ``prompt_tokens`` counts. ``RequestError``
         (``image_data``) as ``generate`` refuses the images."""
-        try:
-            return expand_images(list(input_ids), self.process_images(image_data), self.model_config.vision)[0]
-        except ValueError as exc:
-            if isinstance(exc, RequestError):
-                raise
-            raise RequestError(f"image_data: {exc}", "image_data") from None
+        return self._expand_images(list(input_ids), list(image_data))[0]
+
+    def _check_takes_images(self) -> None:
+        """``RequestError`` (``image_data``) for a model without a vision tower."""
+        if self.image_processor is None:
+            raise RequestError(f"image_data: model {self.model_path} ({self.model_config.architecture}) takes no "
+                               "images (a vision-language checkpoint with a vision_config does)", "image_data")
 
     def _image_lists(self, image_data: Any, n: int, single: bool) -> list[list[Any] | None]:
         """``image_data`` (None; one request's image or list of images; or one list per request) as each
         request's list of images (None: none). ``RequestError`` for a model without a vision tower."""
         if image_data is None:
             return [None] * n
-        if self.image_processor is None:
-            raise RequestError(f"image_data: model {self.model_path} ({self.model_config.architecture}) takes no "
-                               "images (a vision-language checkpoint with a vision_config does)", "image_data")
+        self._check_takes_images()
         if single:
             return [list(image_data) if isinstance(image_data, (list, tuple)) else [image_data]]
         if not isinstance(image_data, (list, tuple)) or len(image_data) != n:
             raise RequestError(f"image_data: give one list of images per request ({n})", "image_data")
         return [None if x is None else list(x) if isinstance(x, (list, tuple)) else [x] for x in image_data]
 
-    def _expand_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], Any, Callable[[Any], Any]]:
+    def _expand_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], PromptImages]:
         """The prompt ``ids`` with its images' tokens (``multimodal.expand_images``: each image loaded and
-        preprocessed here), their :class:`PromptImages`, and how a position of ``ids`` moves (past the
-        images before it; anything but an int as it is). ``RequestError`` for an image that cannot be read
+        preprocessed here) and their :class:`PromptImages`. ``RequestError`` for an image that cannot be read
         or a prompt whose placeholders do not match."""
         processed = self.process_images(sources)
         try:
-            expanded, images = expand_images(ids, processed, self.model_config.vision)
+            return expand_images(ids, processed, self.model_config.vision)
         except ValueError as exc:
             raise RequestError(f"image_data: {exc}", "image_data") from None
-        marks = [i for i, t in enumerate(ids) if t == self.model_config.vision.image_token_id]
-
-        def moved(c: Any) -> Any:
-            if isinstance(c, bool) or not isinstance(c, int):
-                return c
-            return c + sum(item.num_tokens - 1 for mark, item in zip(marks, images.items) if mark < c)
-
-        return expanded, images, moved
 
     def _loras(self, lora_name: Any, n: int) -> list[Loaded | None]:
         """``lora_name`` (None, a name, or one per request) as the adapter loaded under each name (or None)."""
@@ -1068,7 +1056,11 @@ class Engine:
             ids = [_token_id(t, vocab) for t in ids]
         images = None
         if image_sources:  # (the prompt's ids checked above: the expansion adds only the image token)
-            ids, images, moved = self._expand_images(ids, image_sources)
+            ids, images = self._expand_images(ids, image_sources)
+
+            def moved(c: Any) -> Any:  # (past the images before it; anything but an int, as it is: checked below)
+                return images.expanded(c) if isinstance(c, int) and not isinstance(c, bool) else c
+
             checkpoints = tuple(moved(c) for c in checkpoints)
             logprob_start_len = moved(logprob_start_len)
             if len(ids) >= self.context_length:

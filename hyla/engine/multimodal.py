@@ -28,10 +28,10 @@ from typing import Callable, Sequence
 import torch
 
 from hyla.model.image_processing import ProcessedImage
+from hyla.model.vision import VisionConfig, image_positions
 
 Encoder = Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor]
 """The vision tower: ``(pixel_values [P, patch_dim], grids) -> embeddings [P / merge**2, hidden]``."""
-from hyla.model.vision import VisionConfig, image_positions
 
 
 @dataclass(eq=False)
@@ -39,11 +39,17 @@ class PromptImage:
     """One image of a prompt: its tokens ``[offset, offset + num_tokens)``."""
 
     offset: int
-    num_tokens: int
-    grid: tuple[int, int, int]
     key: int  # the id its tokens take in the cache's keys (negative, from its digest)
     image: ProcessedImage  # its pixels (uint8, on the host): kept while the request lives
     embeds: torch.Tensor | None = None  # [num_tokens, hidden] in the model dtype, on its device, while needed
+
+    @property
+    def num_tokens(self) -> int:
+        return self.image.num_tokens
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.image.grid_thw
 
     @property
     def end(self) -> int:
@@ -71,7 +77,17 @@ class PromptImages:
 
     def touches_image(self, start: int, end: int) -> bool:
         """Whether tokens ``[start, end)`` hold any image token."""
-        return any(item.offset < end and start < item.end for item in self.items)
+        return bool(self._touched(start, end))
+
+    def expanded(self, position: int) -> int:
+        """Where ``position`` of the prompt as given (one placeholder token per image) lies in this one, each
+        placeholder repeated to its image's tokens: moved past the images before it."""
+        added = 0
+        for item in self.items:
+            if item.offset - added >= position:  # (the placeholder's place in the prompt as given)
+                break
+            added += item.num_tokens - 1
+        return position + added
 
     def shift(self, start: int) -> int:
         """How far the RoPE position of token ``start`` (a text token, or one past the prompt) lies from
@@ -157,7 +173,7 @@ def expand_images(input_ids: Sequence[int], images: Sequence[ProcessedImage],
         ids.extend(input_ids[prev:mark])
         places, pos = image_positions(pos, image.grid_thw, vision.spatial_merge_size)
         columns.append(places)
-        items.append(PromptImage(len(ids), image.num_tokens, image.grid_thw, image_key(image.digest), image))
+        items.append(PromptImage(len(ids), image_key(image.digest), image))
         ids.extend([tok] * image.num_tokens)
         prev = mark + 1
     text = len(input_ids) - prev

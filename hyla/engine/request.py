@@ -165,11 +165,6 @@ class Req:
             return self.fill_ids
         return self.images.key_ids(self.input_ids) + self.output_ids
 
-    @property
-    def rope_delta(self) -> int:
-        """Where a token after the prompt sits for RoPE: its index + this (after a prompt's images; else 0)."""
-        return 0 if self.images is None else self.images.rope_delta
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Positions ``[start, end)`` of ``fill_ids`` followed by ``draft_ids`` (what a step feeds)."""
         n_in = len(self.input_ids)

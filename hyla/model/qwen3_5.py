@@ -22,7 +22,7 @@ import torch
 from hyla.model.config import ModelConfig
 from hyla.model.qwen3_next import Qwen3NextForCausalLM, qwen_config_fields, qwen_specs
 from hyla.model.vision import VisionConfig, VisionTower
-from hyla.model.weight_specs import WeightSpec, concat_rows
+from hyla.model.weight_specs import WeightSpec, concat_rows, linear_specs
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -55,14 +55,12 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 def vision_weight_specs(config: VisionConfig, source: str = "visual.", target: str = "visual.") -> list[WeightSpec]:
     """Every tensor of the tower in a checkpoint (names under ``source``, HF's) and the parameter it builds."""
 
-    def copy(t: str, s: str) -> WeightSpec:
-        return WeightSpec(target + t, (source + s,))
-
-    def linear(t: str, s: str) -> list[WeightSpec]:
-        return [copy(f"{t}.weight", f"{s}.weight"), copy(f"{t}.bias", f"{s}.bias")]
+    def linear(t: str, s: str) -> list[WeightSpec]:  # (a LayerNorm's weight and bias too)
+        return linear_specs(target + t, [source + s], bias=True)
 
     specs = [WeightSpec(target + "patch_embed.weight", (source + "patch_embed.proj.weight",), _flatten_conv),
-             copy("patch_embed.bias", "patch_embed.proj.bias"), copy("pos_embed.weight", "pos_embed.weight")]
+             WeightSpec(target + "patch_embed.bias", (source + "patch_embed.proj.bias",)),
+             WeightSpec(target + "pos_embed.weight", (source + "pos_embed.weight",))]
     for i in range(config.depth):
         b = f"blocks.{i}"
         for part in ("norm1", "norm2"):

@@ -26,11 +26,6 @@ from hyla.server.protocol import DEFAULT_FETCH_TIMEOUT
 MAX_REDIRECTS = 3
 
 
-def is_fetched(url: str) -> bool:
-    """Whether ``url`` is one the server fetches (http or https), not a data URL carrying its image."""
-    return url[:8].lower().startswith(("http://", "https://"))
-
-
 class MediaFetcher:
     """Fetches image URLs from the hosts ``allowed_domains`` lists (``*``: any), within ``timeout`` seconds and
     ``max_bytes`` each (default: ``image_processing.MAX_IMAGE_BYTES``; see the module's docstring)."""

@@ -23,12 +23,12 @@ from tokenizers import decoders
 
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError
-from hyla.server.media import is_fetched
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, json_answer, sse
 from hyla.server.protocol import (
     ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChatCompletionResponse, ChatResponseMessage, FunctionCall, ToolCallOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
+    is_fetched,
     cache_namespace, text_chars,
 )
 from hyla.engine.engine import Engine
@@ -208,7 +208,7 @@ class OpenAIRoutes:
         # a prefill (the final assistant message, continued): the answer is what the model writes after it
         prefill = final_text(body.messages) if body.continue_final_message else None
         if body.truncate_prompt_tokens is not None:
-            if any(m.image_urls() for m in body.messages):
+            if chat_image_urls(body.messages):
                 raise APIError(400, "truncate_prompt_tokens cuts the prompt's tokens, and cannot cut its images' (it "
                                     "takes a chat without images)", param="truncate_prompt_tokens")
             encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
@@ -421,7 +421,7 @@ async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage]) -
     each decoded and preprocessed on a worker thread (``Engine.process_images``: ``Engine.generate``'s
     ``image_data``); None without any. A 400 naming ``messages`` for one that cannot be fetched or read, or
     where the model takes none."""
-    urls = [url for m in chat for url in m.image_urls()]
+    urls = chat_image_urls(chat)
     if not urls:
         return None
     check_takes_images(engine, chat)  # (before fetching anything)
@@ -433,10 +433,15 @@ async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage]) -
         raise APIError(400, str(exc), param="messages") from None
 
 
+def chat_image_urls(chat: list[ChatMessage]) -> list[str]:
+    """The chat's images (their URLs), in order."""
+    return [url for m in chat for url in m.image_urls()]
+
+
 def check_takes_images(engine: Engine, chat: list[ChatMessage]) -> None:
     """A 400 naming ``messages`` where the chat has images and the model takes none (before its template
     meets the image parts it does not know)."""
-    if engine.image_processor is None and any(m.image_urls() for m in chat):
+    if engine.image_processor is None and chat_image_urls(chat):
         raise APIError(400, f"this model ({engine.model_config.architecture}) takes no images: send text content "
                             "parts only", param="messages")
 

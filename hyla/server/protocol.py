@@ -561,11 +561,16 @@ class TextContentPart(_Strict):
     text: str
 
 
+def is_fetched(url: str) -> bool:
+    """Whether the image ``url`` is one the server fetches (http or https: ``media.MediaFetcher``), not a data URL
+    carrying its image."""
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
 def image_url_problem(url: str) -> str | None:
     """Why ``url`` cannot name an image (a scheme other than ``data:``, ``http:``, ``https:``), or None. A data
-    URL carries its image; an http(s) one is fetched where the server allows its host (``media.MediaFetcher``)."""
-    lowered = url[:8].lower()
-    if lowered.startswith(("data:", "http://", "https://")):
+    URL carries its image; an http(s) one is fetched where the server allows its host (:func:`is_fetched`)."""
+    if url[:5].lower() == "data:" or is_fetched(url):
         return None
     return "an image must be a data URL (data:image/png;base64,...) or an http(s) URL"
 
@@ -611,7 +616,7 @@ class ChatMessage(BaseModel):
         return content
 
     def image_urls(self) -> list[str]:
-        """The message's images (data URLs), in order."""
+        """The message's images (data or http(s) URLs), in order."""
         if not isinstance(self.content, list):
             return []
         return [p.image_url.url for p in self.content if isinstance(p, ImageContentPart)]

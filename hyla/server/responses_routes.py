@@ -50,9 +50,10 @@ from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer, sse_stream
 from hyla.server.lru_store import LRUStore
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_images,
-                                      chat_logprobs, choice_logprobs, forced_tool_grammar, image_tokens, kept_markers,
-                                      opens_thinking, output_budget, render_chat, split_answer, thinking_first)
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_image_urls,
+                                      chat_images, chat_logprobs, choice_logprobs, forced_tool_grammar, image_tokens,
+                                      kept_markers, opens_thinking, output_budget, render_chat, split_answer,
+                                      thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   FieldError, cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -224,11 +225,6 @@ def input_conversation(history: list[dict[str, Any]], items: list[InputItem]) ->
             raise APIError(400, f"No tool call found for function call output with call_id "
                                 f"{message['tool_call_id']}.", param="input")
     return history + messages
-
-
-def _image_urls(chat: ChatCompletionRequest) -> list[str]:
-    """The chat's images (URLs), in order."""
-    return [url for m in chat.messages for url in m.image_urls()]
 
 
 def listed_item(item: InputItem) -> dict[str, Any]:
@@ -604,10 +600,10 @@ class ResponsesRoutes:
             encoding = await self._render(engine, chat)
             images = await chat_images(self.server, engine, chat.messages)
             if body.truncation == "auto":  # (the images' tokens counted: each URL's, processed once)
-                by_url = dict(zip(_image_urls(chat), images or ()))
+                by_url = dict(zip(chat_image_urls(chat.messages), images or ()))
                 chat, encoding = await self._truncated(body, engine, conversation, chat, encoding,
-                                                       {url: image.num_tokens - 1 for url, image in by_url.items()})
-                images = [by_url[url] for url in _image_urls(chat)] or None
+                                                       {url: image_tokens([image]) for url, image in by_url.items()})
+                images = [by_url[url] for url in chat_image_urls(chat.messages)] or None
             max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_output_tokens,
                                     "max_output_tokens", "input")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
@@ -621,7 +617,7 @@ class ResponsesRoutes:
                                  max_boundaries=CHAT_CHECKPOINTS)
 
     async def _truncated(self, body: ResponsesRequest, engine: Engine, conversation: list[dict[str, Any]],
-                         chat: ChatCompletionRequest, encoding: ChatEncoding, image_tokens: dict[str, int]
+                         chat: ChatCompletionRequest, encoding: ChatEncoding, extra_tokens: dict[str, int]
                          ) -> tuple[ChatCompletionRequest, ChatEncoding]:
         """``truncation: "auto"``: where the prompt leaves no room for ``max_output_tokens`` (one token where
         not given), the fewest of the conversation's oldest turns dropped that make room — whole turns, each
@@ -629,11 +625,11 @@ class ResponsesRoutes:
         ``instructions``), so a call's output never loses its call; the last turn is always kept (a prompt
         that does not fit even so is the 400 it would be without truncation). The stored conversation stays
         whole: each turn that continues it is truncated anew. Found by bisection, a render per step. A prompt's
-        length counts its images' tokens (``image_tokens``: each image URL's beyond its placeholder)."""
+        length counts its images' tokens (``extra_tokens``: each image URL's beyond its placeholder)."""
         need, context = body.max_output_tokens or 1, engine.context_length
 
         def length(c: ChatCompletionRequest, e: ChatEncoding) -> int:
-            return len(e.ids) + sum(image_tokens[url] for url in _image_urls(c))
+            return len(e.ids) + sum(extra_tokens[url] for url in chat_image_urls(c.messages))
 
         if length(chat, encoding) + need <= context:
             return chat, encoding
