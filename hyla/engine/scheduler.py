@@ -315,9 +315,10 @@ class Scheduler:
                                 insert=not batch.is_decode)
         if batch.num_mixed:
             self.cache.commit_batch(batch.reqs[k:], batch.lens[k:], None, insert=False)
-        for r in batch.reqs[:k]:
-            if r.images is not None:  # the embeddings of the images its prefill has passed
-                r.images.release(r.kv_len)
+        if not batch.is_decode:  # (a decode step passes no image)
+            for r in batch.reqs[:k]:
+                if r.images is not None:  # the embeddings of the images its prefill has passed
+                    r.images.release(r.kv_len)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.num_fill]
         if ready:
             rows = logits if len(ready) == len(batch.reqs) else logits[ready]
