@@ -172,8 +172,8 @@ def test_cache_on_and_off_agree_with_images(qwen3_5_vl_path):
         return engine.generate(input_ids=[s["ids"] for s in wave], image_data=[s["images"] for s in wave],
                                sampling_params=[greedy(s["max_new"]) for s in wave], return_logprob=True)
 
-    on = Engine(qwen3_5_vl_path, **kw)
-    off = Engine(qwen3_5_vl_path, **{**kw, "enable_prefix_cache": False})
+    on = Engine(qwen3_5_vl_path, **kw)  # (the images' embeddings kept too: mm_embedding_cache_mb)
+    off = Engine(qwen3_5_vl_path, **{**kw, "enable_prefix_cache": False, "mm_embedding_cache_mb": 0})
     try:
         outs = run(on, specs) + run(on, specs[::-1])
         refs = run(off, specs) + run(off, specs[::-1])
@@ -182,6 +182,8 @@ def test_cache_on_and_off_agree_with_images(qwen3_5_vl_path):
         stats = on.get_stats()
         assert stats["num_retractions"] > 0 and stats["num_evicted_tokens"] + stats["num_evicted_states"] > 0, \
             {k: v for k, v in stats.items() if "retract" in k or "evict" in k}
+        assert stats["num_image_encodes"] == len(images) and stats["num_image_cache_hits"] > 0
+        assert off.get_stats()["num_image_cache_hits"] == 0
         assert_drained(on)
     finally:
         on.shutdown()
@@ -335,6 +337,73 @@ def test_images_that_fill_the_context_are_refused_from_their_headers(qwen3_5_vl_
         assert err.value.param == "image_data"
         assert engine.generate(input_ids=image_prompt([5], None), image_data=[url],
                                sampling_params=greedy(2))["meta_info"]["prompt_tokens"] == 1 + 2 + 16
+
+
+def test_the_embedding_cache_runs_the_tower_once_per_image(qwen3_5_vl_path):
+    """The vision tower's outputs kept by image content: a batch of one prompt three times (n choices), the
+    image again after other text (the prefix cache's hit ends before it), an image twice in one prompt and
+    both images in another prompt run the tower once per image; each answer equals an engine's that keeps
+    nothing; ``flush_cache`` empties it. (A hit ending inside an image: the differential test above.)"""
+    a, b = png(31, 48, 48), png(32, 40, 40)
+    prompt = image_prompt([5, 6], None, [7, 8, 9])
+    runs = [dict(input_ids=[prompt] * 3, image_data=[[a]] * 3),  # the tower runs once (the prefix cache serves 2)
+            dict(input_ids=image_prompt([5, 6], None, [10]), image_data=[a]),  # a from the cache
+            dict(input_ids=image_prompt([5, 6], None, [11]), image_data=[a]),  # the prefix cache's hit passes a
+            dict(input_ids=image_prompt([4], None, [9], None, [8]), image_data=[b, b]),  # b once, then from the cache
+            dict(input_ids=image_prompt([3], None, [2], None), image_data=[a, b])]  # both from the cache
+    kw = dict(max_running_requests=4, chunked_prefill_size=8, debug_checks=True)
+    with Engine(qwen3_5_vl_path, **kw) as on, \
+            Engine(qwen3_5_vl_path, **kw, enable_prefix_cache=False, mm_embedding_cache_mb=0) as off:
+        cache = on.scheduler.runner.image_cache
+        seen = []
+        for run in runs:
+            outs, refs = (e.generate(**run, sampling_params=greedy(4), return_logprob=True) for e in (on, off))
+            outs, refs = (x if isinstance(x, list) else [x] for x in (outs, refs))
+            assert compare_outputs(outs, refs) == 4 * len(outs)
+            stats = on.get_stats()
+            seen.append((stats["num_image_encodes"], stats["num_image_cache_hits"]))
+        assert seen == [(1, 0), (1, 1), (1, 1), (2, 2), (2, 4)], seen
+        tokens = sum(image.num_tokens for image in on.process_images([a, b]))
+        assert len(cache) == 2 and cache.bytes == tokens * on.model_config.hidden_size * 4  # (fp32)
+        assert off.get_stats()["num_image_cache_hits"] == 0 and len(off.scheduler.runner.image_cache) == 0
+        assert off.get_stats()["num_image_encodes"] == 3 + 1 + 1 + 2 + 2  # (b's second time: a later chunk)
+        assert on.flush_cache() and len(cache) == 0 and cache.bytes == 0
+        on.generate(**runs[1], sampling_params=greedy(2))
+        assert on.get_stats()["num_image_encodes"] == 3
+        assert_drained(on)
+    # n choices computed side by side (no prefix cache to serve them): the tower runs for the first alone; an
+    # image twice in one chunk: once
+    with Engine(qwen3_5_vl_path, max_running_requests=4, enable_prefix_cache=False) as apart:
+        apart.generate(**runs[0], sampling_params=greedy(2))
+        stats = apart.get_stats()
+        assert (stats["num_image_encodes"], stats["num_image_cache_hits"]) == (1, 2)
+        apart.generate(**{**runs[3], "image_data": [png(33, 32, 32)] * 2}, sampling_params=greedy(2))
+        stats = apart.get_stats()
+        assert (stats["num_image_encodes"], stats["num_image_cache_hits"]) == (2, 2)
+
+
+def test_the_embedding_cache_keeps_the_most_recently_used_within_its_bytes():
+    from hyla.engine.multimodal import EmbeddingCache
+
+    cache = EmbeddingCache(3 * 40)  # three [10] fp32 tensors
+    rows = {k: torch.full((10,), float(i)) for i, k in enumerate([b"a", b"b", b"c", b"d"])}
+    for k in (b"a", b"b", b"c"):
+        cache.put(k, rows[k])
+    assert cache.get(b"a") is rows[b"a"] and cache.num_hits == 1  # (a: the most recently used now)
+    cache.put(b"d", rows[b"d"])  # b, the least recently used, makes room
+    assert cache.get(b"b") is None and [cache.get(k) is rows[k] for k in (b"a", b"c", b"d")] == [True] * 3
+    assert len(cache) == 3 and cache.bytes == 120
+    cache.put(b"e", torch.zeros(31))  # larger than the whole budget: not kept, nothing dropped
+    assert cache.get(b"e") is None and len(cache) == 3
+    assert cache.clear() == 3 and cache.bytes == 0 and cache.get(b"a") is None
+    assert len(EmbeddingCache(0)) == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_bytes"):
+            EmbeddingCache(bad)
+    from hyla.engine.args import EngineArgs
+    for bad in (-1, 2.0, None):
+        with pytest.raises(ValueError, match="mm_embedding_cache_mb"):
+            EngineArgs(mm_embedding_cache_mb=bad)
 
 
 @pytest.fixture(scope="module")

@@ -126,6 +126,7 @@ def test_a_chat_with_an_image_equals_the_engine_and_hits_the_cache(server, clien
     def ask(msgs: list[dict]):
         return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True)
 
+    encodes = engine.get_stats()["num_image_encodes"]
     first, again, other = ask(messages), ask(messages), ask([messages[0], image_message("What is this?", data_url(2))])
     encoding = engine.tokenizer.encode_chat([messages[0], {"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image"}]}])
@@ -139,6 +140,12 @@ def test_a_chat_with_an_image_equals_the_engine_and_hits_the_cache(server, clien
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     assert other.choices[0].logprobs.content != first.choices[0].logprobs.content
+    # /metrics: the tower embedded each image once (the repeats hit the prefix cache through their images)
+    metrics = httpx.get(server.url + "/metrics").text
+    stats = engine.get_stats()
+    assert stats["num_image_encodes"] == encodes + 2
+    assert f"hyla_image_encodes_total {float(stats['num_image_encodes'])}" in metrics
+    assert f"hyla_image_cache_hits_total {float(stats['num_image_cache_hits'])}" in metrics
 
 
 def test_the_output_budget_counts_the_images_tokens(client):

@@ -127,6 +127,10 @@ class EngineArgs:
                                                              "its work cached) running requests only when its priority "
                                                              "is more urgent than theirs by more than this (SGLang's "
                                                              "default: 10).")
+    mm_embedding_cache_mb: int = _opt(100, "A vision-language model: MiB of the vision tower's outputs kept by image "
+                                           "content across requests, so that the same image (n choices, a cache hit "
+                                           "ending inside it, another prompt) runs the tower once (SGLang's "
+                                           "SGLANG_VLM_CACHE_SIZE_MB; on the model's device). 0: none kept.")
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own "
                                                    "prompt and output), 'mtp' (the checkpoint's multi-token-prediction "
@@ -325,6 +329,9 @@ class EngineArgs:
                 raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
                                  f"{'them' if len(changed) > 1 else 'it'}")
 
+        v = self.mm_embedding_cache_mb
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
+            raise ValueError(f"mm_embedding_cache_mb must be an integer in [0, 2**20], got {v!r}")
         pos_int("max_loras")
         pos_int("max_cpu_loras", allow_none=True)
         pos_int("max_lora_rank")

@@ -45,7 +45,7 @@ from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
 from hyla.engine.lora_manager import Loaded, LoRAManager, check_lora_name, lora_namespace
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
-from hyla.engine.multimodal import PromptImages, expand_images
+from hyla.engine.multimodal import EmbeddingCache, PromptImages, expand_images
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req, ReqStatus
@@ -185,7 +185,9 @@ class Engine:
                              if self.args.speculative_algorithm is not None else None,
                              verify_trees=self.args.speculative_eagle_topk > 1,
                              # MTP drafts from the model's final hidden states: every step's graphs return them
-                             return_hidden=self.args.speculative_algorithm == "mtp")
+                             return_hidden=self.args.speculative_algorithm == "mtp",
+                             image_cache=EmbeddingCache(self.args.mm_embedding_cache_mb << 20)
+                             if self.model_config.vision is not None else None)
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
                                  grammars=self.grammars)
@@ -557,7 +559,7 @@ class Engine:
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Empty the prefix cache: every cached prefix's KV and state checkpoints go back to the
         pools, so that the next request computes its whole prompt (a cold measurement, a fresh start
-        for a study). It runs on the scheduler thread between steps, and only while no request is
+        for a study); the images' embeddings kept (``mm_embedding_cache_mb``) go too. It runs on the scheduler thread between steps, and only while no request is
         waiting or running, those submitted before the call included (SGLang's ``flush_cache``):
         otherwise it returns False and changes nothing. The counters of ``get_stats`` go on.
         ``TimeoutError`` when the scheduler thread has not answered after ``timeout`` seconds."""
@@ -812,6 +814,7 @@ class Engine:
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for logs and /metrics (read without locking: approximate)."""
         s, out, cache, host = self.scheduler, self.scheduler.output, self.cache, self.cache.host
+        images = getattr(s.runner, "image_cache", None)
         tok_usage, state_usage = cache.usage()
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
@@ -835,6 +838,9 @@ class Engine:
             "num_queued_requests": s.num_waiting,
             "gen_throughput": s.last_gen_throughput,
             "spec_accept_length": s.accept_length if s.drafter is not None else None,
+            # a vision-language model's images: embedded by the tower, or from the embedding cache (None: a text model)
+            "num_image_encodes": images.num_encoded if images is not None else None,
+            "num_image_cache_hits": images.num_hits if images is not None else None,
             "num_lora_adapters": len(self.loras.adapters()) if self.loras is not None else None,
             "num_lora_requests": sum(1 for r in [*s.running, *s.waiting] if r.lora_uid)
             if self.loras is not None else None,

@@ -73,6 +73,7 @@ from hyla.cache.transfer import to_device_packed
 from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_GRAPH_MAX_BS, CudaGraphDecode,
                                     CudaGraphExtend, ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
+from hyla.engine.multimodal import EmbeddingCache
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.linear import keep_row_major_weights_, pack_weights_
 from hyla.model.lora import LoRABatch
@@ -88,7 +89,7 @@ class ModelRunner:
                  compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
                  fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0),
                  verify_width: int | None = None, fused_extend_max_tokens: int = 0, return_hidden: bool = False,
-                 verify_trees: bool = False):
+                 verify_trees: bool = False, image_cache: EmbeddingCache | None = None):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
         model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
         verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`:
@@ -100,15 +101,18 @@ class ModelRunner:
         drafter reads them): the compiled graphs and the decode and verify CUDA graphs are made so.
         ``verify_trees``: verify steps are token trees (``speculative_eagle_topk > 1``): the compiled
         graphs run them as padded trees (:meth:`forward_chains` with ``tree_parents``; chains too, as
-        trees); a fused runner verifies trees on the eager ops, as before, and takes no ``verify_width``."""
+        trees); a fused runner verifies trees on the eager ops, as before, and takes no ``verify_width``.
+        ``image_cache``: where a model with a vision tower keeps its outputs across requests (a rebuilt runner
+        shares it)."""
         self._options = dict(compile_decode=compile_decode, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                              fused_decode=fused_decode, first_buffers=first_buffers, verify_width=verify_width,
                              fused_extend_max_tokens=fused_extend_max_tokens, return_hidden=return_hidden,
-                             verify_trees=verify_trees)
+                             verify_trees=verify_trees, image_cache=image_cache)
         self.model = model
         # a vision-language model reads a prompt's images and their positions; another (a text-only draft model
         # running the target's requests) reads the placeholder tokens as text, at their indices
         self.reads_images = getattr(model, "visual", None) is not None
+        self.image_cache = image_cache if self.reads_images else None
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.req_to_token = req_to_token
@@ -293,7 +297,7 @@ class ModelRunner:
         """Run the vision tower for the images ``req``'s tokens ``[start, end)`` reach that it has not embedded
         (``multimodal.PromptImages.encode``): what the scheduler does as it adds a prefill chunk to a step."""
         if self.reads_images and req.images is not None:
-            req.images.encode(start, end, self.model.visual)
+            req.images.encode(start, end, self.model.visual, self.image_cache)
 
     def _shift(self, req: Req, start: int) -> int:
         """How far the RoPE positions of ``req``'s tokens from ``start`` (up to its next image) lie from their
@@ -316,7 +320,7 @@ class ModelRunner:
         first = 0
         for r, start, n, touches in zip(reqs, starts, extend_lens, images):
             if touches:
-                offsets, part = r.images.embeddings(start, start + n, self.model.visual)
+                offsets, part = r.images.embeddings(start, start + n, self.model.visual, self.image_cache)
                 rows.extend(first + o for o in offsets)
                 embeds.append(part)
                 columns.append(r.images.rope_positions(start, n))

@@ -18,10 +18,15 @@ outside the step, so that a failure ends only that request), and the step reads 
 (:meth:`PromptImages.embeddings`). The embeddings are dropped once the prefill has passed the image
 (:meth:`PromptImages.release`); the image itself, its resized uint8 pixels, stays with the request, which
 runs the tower again should it prefill the image again (after a retraction, its cache evicted).
+
+Between requests, an :class:`EmbeddingCache` keeps the tower's outputs by image digest (SGLang's
+``MultiModalCache``, vLLM's encoder cache): the ``n`` choices of a request, a prompt whose cache hit
+ends inside an image, the same image in another prompt or twice in one run the tower once.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -112,14 +117,26 @@ class PromptImages:
         """Whether tokens ``[start, end)`` reach an image not embedded now."""
         return any(item.embeds is None for item in self._touched(start, end))
 
-    def encode(self, start: int, end: int, encode: Encoder) -> None:
-        """Run the vision tower ``encode`` (once, on them together) for the images tokens ``[start, end)``
-        reach that are not embedded now."""
+    def encode(self, start: int, end: int, encode: Encoder, cache: EmbeddingCache | None = None) -> None:
+        """Embed the images tokens ``[start, end)`` reach that are not embedded now: each from ``cache``
+        where it holds the image, the others by the vision tower ``encode`` (once, on them together; an
+        image twice among them once), their embeddings then put in ``cache``."""
         new = [item for item in self._touched(start, end) if item.embeds is None]
-        if new:
-            out = encode(torch.cat([item.image.pixel_values for item in new]), [item.grid for item in new])
-            for item, embeds in zip(new, out.split([item.num_tokens for item in new])):
-                item.embeds = embeds
+        if cache is not None:
+            for item in new:
+                item.embeds = cache.get(item.image.digest)
+        todo = list({item.image.digest: item for item in new if item.embeds is None}.values())
+        if not todo:
+            return
+        out = encode(torch.cat([item.image.pixel_values for item in todo]), [item.grid for item in todo])
+        found = dict(zip((item.image.digest for item in todo), out.split([item.num_tokens for item in todo])))
+        for item in new:
+            if item.embeds is None:
+                item.embeds = found[item.image.digest]
+        if cache is not None:
+            for digest, embeds in found.items():
+                cache.put(digest, embeds)
+            cache.num_encoded += len(found)
 
     def release(self, done: int) -> None:
         """Drop the embeddings of the images wholly among the first ``done`` tokens (computed: a prefill's)."""
@@ -127,10 +144,11 @@ class PromptImages:
             if item.end <= done:
                 item.embeds = None
 
-    def embeddings(self, start: int, end: int, encode: Encoder) -> tuple[list[int], torch.Tensor | None]:
+    def embeddings(self, start: int, end: int, encode: Encoder,
+                   cache: EmbeddingCache | None = None) -> tuple[list[int], torch.Tensor | None]:
         """The image rows of tokens ``[start, end)``: their offsets from ``start`` and their embeddings
         ``[K, hidden]`` (None when there are none); the images not embedded yet are first (:meth:`encode`)."""
-        self.encode(start, end, encode)
+        self.encode(start, end, encode, cache)
         wanted = self._touched(start, end)
         rows: list[int] = []
         parts: list[torch.Tensor] = []
@@ -139,6 +157,55 @@ class PromptImages:
             rows.extend(range(lo - start, hi - start))
             parts.append(item.embeds[lo - item.offset:hi - item.offset])
         return rows, (torch.cat(parts) if parts else None)
+
+
+class EmbeddingCache:
+    """The vision tower's outputs (``[num_tokens, hidden]``, on the model's device) by image digest
+    (``ProcessedImage.digest``: its resized pixels, grid and preprocessing), the least recently used
+    dropped past ``max_bytes``; 0 keeps none. Its embeddings are the tower's for the same pixels, so a hit
+    changes nothing the model computes; they were computed with the weights served then: a weight update
+    empties it (``Scheduler.flush_cache``). One thread (the scheduler's) uses it.
+
+    A request keeps the embeddings it reads until its prefill has passed the image
+    (:meth:`PromptImages.release`), whether the cache drops them or not: the cache's bytes are its own
+    references, a bound on what it alone keeps alive."""
+
+    def __init__(self, max_bytes: int):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.num_hits = 0  # images embedded from the cache
+        self.num_encoded = 0  # images the tower embedded (its runs' images, each once)
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        embeds = self._entries.get(digest)
+        if embeds is not None:
+            self._entries.move_to_end(digest)
+            self.num_hits += 1
+        return embeds
+
+    def put(self, digest: bytes, embeds: torch.Tensor) -> None:
+        """Keep ``embeds`` (not one larger than the whole budget), dropping the least recently used to fit."""
+        size = embeds.numel() * embeds.element_size()
+        if size > self.max_bytes or digest in self._entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+        self._entries[digest] = embeds
+        self.bytes += size
+
+    def clear(self) -> int:
+        """Drop every entry; how many there were."""
+        n = len(self._entries)
+        self._entries.clear()
+        self.bytes = 0
+        return n
 
 
 def image_key(digest: bytes) -> int:

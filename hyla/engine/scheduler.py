@@ -475,7 +475,8 @@ class Scheduler:
         return not self.running and self.inflight is None and not any(r.admitted_once for r in self.waiting)
 
     def flush_cache(self, with_waiting: bool = False) -> bool:
-        """Drop every cached prefix (``CacheManager.flush``) and the admission heuristic's memory of
+        """Drop every cached prefix (``CacheManager.flush``), the images' embeddings kept (the runner's
+        ``image_cache``) and the admission heuristic's memory of
         past steps, only while no request is waiting, running or in flight (SGLang's
         ``flush_cache``), or with ``with_waiting`` while the scheduler is :meth:`drained` (a weight
         update: the waiting requests will compute their prompts on the new weights): False
@@ -484,9 +485,13 @@ class Scheduler:
         if not idle:
             return False
         tokens, states = self.cache.flush()
+        # the vision tower's outputs by image too: a weight update flushes, and they were the old weights'
+        image_cache = getattr(self.runner, "image_cache", None)
+        images = image_cache.clear() if image_cache is not None else 0
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
         self.num_flushes += 1
-        logger.info("flush_cache: dropped %d cached KV tokens and %d state checkpoints", tokens, states)
+        logger.info("flush_cache: dropped %d cached KV tokens, %d state checkpoints and %d images' embeddings",
+                    tokens, states, images)
         return True
 
     @property

@@ -40,6 +40,10 @@ ENGINE_COUNTERS = (
      "Cached prompt tokens the host tier added past the device's hits (--enable-hierarchical-cache)."),
     ("num_host_saved_tokens", "host_cache_saved_tokens", "KV tokens copied from the device into the host tier."),
     ("num_host_loaded_tokens", "host_cache_loaded_tokens", "KV tokens copied from the host tier back to the device."),
+    ("num_image_encodes", "image_encodes", "Images the vision tower embedded (absent for a text model)."),
+    ("num_image_cache_hits", "image_cache_hits",
+     "Images embedded from the embedding cache, the tower not run (--mm-embedding-cache-mb; absent for a text "
+     "model)."),
     ("num_lora_slot_loads", "lora_slot_loads",
      "LoRA adapters written into a device slot as a request applying one was admitted (absent without "
      "--enable-lora; more than the adapters loaded: they took turns in the --max-loras slots)."),
