@@ -382,6 +382,49 @@ def test_the_embedding_cache_runs_the_tower_once_per_image(qwen3_5_vl_path):
         assert (stats["num_image_encodes"], stats["num_image_cache_hits"]) == (2, 2)
 
 
+def test_a_prompts_images_are_limited_and_their_preprocessing_overridden(qwen3_5_vl_path, qwen3_5_path):
+    """vLLM's limit_mm_per_prompt refuses a prompt of more images before decoding any; mm_processor_kwargs
+    (the engine's, or a request's through process_images) bound a resized image's area, so its tokens, and the
+    engine's override gives the request's answer; what is not such an option is refused."""
+    from hyla.engine.args import EngineArgs
+    from hyla.model.image_processing import image_tokens
+
+    image = png(41, 64, 64)
+    prompt = image_prompt([5], None, [6, 7])
+    with Engine(qwen3_5_vl_path, max_running_requests=2, limit_mm_per_prompt={"image": 1},
+                mm_processor_kwargs={"max_pixels": 32 * 32}, debug_checks=True) as small:
+        with pytest.raises(RequestError, match="at most 1 .*limit_mm_per_prompt") as err:
+            small.generate(input_ids=image_prompt([5], None, [6], None), image_data=[image, b"not an image"],
+                           sampling_params=greedy(2))
+        assert err.value.param == "image_data"
+        config = small.image_processor
+        assert config.max_pixels == 32 * 32 and (small.process_images([image])[0].num_tokens
+                                                 == image_tokens(64, 64, config) == 4)
+        got = small.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(5), return_logprob=True)
+        assert got["meta_info"]["prompt_tokens"] == 1 + 1 + 4 + 1 + 2  # ([5], vision start, 4 image tokens, end, [6, 7])
+        assert_drained(small)
+    with Engine(qwen3_5_vl_path, max_running_requests=2) as engine:
+        assert engine.process_images([image])[0].num_tokens == 16  # (the checkpoint's bounds)
+        done = engine.process_images([image], {"max_pixels": 32 * 32})
+        want = engine.generate(input_ids=prompt, image_data=done, sampling_params=greedy(5), return_logprob=True)
+        for bad, match in (({"size": 4}, "not an image preprocessing option"), ({"max_pixels": 0}, "max_pixels must"),
+                           ({"min_pixels": 10 ** 6}, "min_pixels .* is above max_pixels"), ([1], "an object")):
+            with pytest.raises(RequestError, match=match) as err:
+                engine.process_images([image], bad)
+            assert err.value.param == "mm_processor_kwargs"
+        assert_drained(engine)
+    assert compare_outputs([got], [want]) == 5
+    for kw, match in ((dict(limit_mm_per_prompt={"audio": 1}), "not a modality"),
+                      (dict(limit_mm_per_prompt={"video": 1}), "no videos"),
+                      (dict(limit_mm_per_prompt={"image": -1}), "image must be an integer"),
+                      (dict(limit_mm_per_prompt=3), "an object"),
+                      (dict(mm_processor_kwargs={"min_pixels": 9, "max_pixels": 8}), "above max_pixels")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**kw)
+    with pytest.raises(ValueError, match="takes none"):
+        Engine(qwen3_5_path, limit_mm_per_prompt={"image": 2})
+
+
 def test_the_embedding_cache_keeps_the_most_recently_used_within_its_bytes():
     from hyla.engine.multimodal import EmbeddingCache
 

@@ -115,6 +115,21 @@ def test_wrong_typed_flag_is_an_argparse_error(capsys):
     assert exit_info.value.code == 2 and "invalid int value" in capsys.readouterr().err
 
 
+def test_image_flags_take_json_objects(capsys):
+    """vLLM's --limit-mm-per-prompt and --mm-processor-kwargs: JSON objects, checked as the engine checks them."""
+    args = _parse(["--limit-mm-per-prompt", '{"image": 2}', "--mm-processor-kwargs", '{"max_pixels": 4096}'])
+    options = cli.engine_options(args)
+    assert options["limit_mm_per_prompt"] == {"image": 2} and options["mm_processor_kwargs"] == {"max_pixels": 4096}
+    for bad in ("2", "[1]", "{image: 2}"):
+        with pytest.raises(SystemExit) as exit_info:
+            _parse(["--limit-mm-per-prompt", bad])
+        assert exit_info.value.code == 2 and "a JSON object" in capsys.readouterr().err
+    assert cli.run(_parse(["--limit-mm-per-prompt", '{"audio": 1}'])) == 2
+    assert "not a modality" in capsys.readouterr().err
+    assert cli.run(_parse(["--mm-processor-kwargs", '{"max_pixels": 0}'])) == 2
+    assert "max_pixels must be an integer" in capsys.readouterr().err
+
+
 def test_cors_flags_take_json_lists(capsys):
     """vLLM's CORS flags: JSON lists of strings, any origin by default."""
     args = _parse([])

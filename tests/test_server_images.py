@@ -104,7 +104,7 @@ def image_host():
 def server(tiny_ckpt_dir):
     app = create_app(make_vl_chat_model(tiny_ckpt_dir), served_model_name=MODEL, max_total_tokens=4096,
                      max_state_slots=32, chunked_prefill_size=64, context_length=CONTEXT,
-                     allowed_media_domains=["127.0.0.1"])
+                     allowed_media_domains=["127.0.0.1"], limit_mm_per_prompt={"image": 6})
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -245,6 +245,29 @@ def test_token_counts_agree_and_truncation_counts_images(server, client):
     assert response.output_text and response.usage.input_tokens + response.usage.output_tokens <= CONTEXT
     with pytest.raises(openai.BadRequestError):  # (without truncation: the context is exceeded)
         client.responses.create(model=MODEL, input=turns, max_output_tokens=4)
+
+
+def test_a_request_overrides_its_images_preprocessing(server, client):
+    """vLLM's mm_processor_kwargs: a chat completion's (and /tokenize's) images resized within the request's
+    bounds, so fewer tokens; an option the engine does not take is a 400 naming it."""
+    messages = [image_message("what is this", data_url(5, 64, 64))]  # (16 tokens by the checkpoint's bounds)
+    small = {"mm_processor_kwargs": {"max_pixels": 32 * 32}}  # (4)
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    less = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=small)
+    assert full.usage.prompt_tokens - less.usage.prompt_tokens == 16 - 4
+    counted = httpx.post(server.url + "/tokenize", timeout=60, json={"model": MODEL, "messages": messages, **small})
+    assert counted.json()["count"] == less.usage.prompt_tokens
+    for bad in ({"size": {"longest_edge": 4}}, {"max_pixels": -1}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           extra_body={"mm_processor_kwargs": bad})
+        assert err.value.body["param"] == "mm_processor_kwargs"
+    server.app.state.server.engine.check_integrity()
+    # --limit-mm-per-prompt: counted before any image is fetched (an unlisted host would be a 400 of its own)
+    many = [image_message("so many", *["http://unlisted.example/cat.png"] * 7)]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=many, max_tokens=2)
+    assert err.value.body["param"] == "messages" and "at most 6" in err.value.body["message"]
 
 
 @pytest.mark.parametrize("url, words", [

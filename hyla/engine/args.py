@@ -131,6 +131,14 @@ class EngineArgs:
                                            "content across requests, so that the same image (n choices, a cache hit "
                                            "ending inside it, another prompt) runs the tower once (SGLang's "
                                            "SGLANG_VLM_CACHE_SIZE_MB; on the model's device). 0: none kept.")
+    limit_mm_per_prompt: dict | None = _opt(None, "A vision-language model: the most images one prompt may hold, as "
+                                                 "vLLM's JSON {\"image\": N} (a prompt with more is refused before "
+                                                 "any is decoded). None: as many as the context holds.")
+    mm_processor_kwargs: dict | None = _opt(None, "A vision-language model: the checkpoint's image preprocessing "
+                                                  "overridden, vLLM's JSON {\"min_pixels\": N, \"max_pixels\": N} "
+                                                  "(the bounds of a resized image's area, so of its tokens: a lower "
+                                                  "max_pixels gives fewer tokens per image). A request may override "
+                                                  "them again.")
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own "
                                                    "prompt and output), 'mtp' (the checkpoint's multi-token-prediction "
@@ -329,6 +337,9 @@ class EngineArgs:
                 raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
                                  f"{'them' if len(changed) > 1 else 'it'}")
 
+        check_mm_limits(self.limit_mm_per_prompt)
+        from hyla.model.image_processing import check_processor_kwargs  # (here: --help must not wait for torch)
+        check_processor_kwargs(self.mm_processor_kwargs)
         v = self.mm_embedding_cache_mb
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
             raise ValueError(f"mm_embedding_cache_mb must be an integer in [0, 2**20], got {v!r}")
@@ -432,6 +443,22 @@ def context_length_for(asked: int | None, model_max: int, kv_room: int, attentio
         logger.warning("context_length=%d is longer than the model's max_position_embeddings (%d): attention will "
                        "see positions it was not trained on", asked, model_max)
     return asked
+
+
+def check_mm_limits(limits: Any) -> None:
+    """``limit_mm_per_prompt``: None or vLLM's ``{"image": N}`` (N >= 0; ``"video": 0`` is taken too, hyla
+    serving no videos); ``ValueError`` otherwise."""
+    if limits is None:
+        return
+    if not isinstance(limits, dict):
+        raise ValueError(f"limit_mm_per_prompt must be an object such as {{\"image\": 4}}, got {limits!r}")
+    for key, value in limits.items():
+        if key not in ("image", "video"):
+            raise ValueError(f"limit_mm_per_prompt: {key!r} is not a modality hyla serves (image)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt: {key} must be an integer >= 0, got {value!r}")
+        if key == "video" and value:
+            raise ValueError("limit_mm_per_prompt: hyla serves no videos (video must be 0)")
 
 
 def host_cache_sizes(args: EngineArgs, num_tokens: int, num_slots: int, kv_bytes_per_token: int,

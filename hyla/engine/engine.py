@@ -141,9 +141,14 @@ class Engine:
         self.model_config = self.model.config
         # a vision-language model's image preprocessing (its checkpoint's preprocessor_config.json); None: no images
         vision = self.model_config.vision
+        if vision is None and (self.args.limit_mm_per_prompt or self.args.mm_processor_kwargs):
+            raise ValueError(f"limit_mm_per_prompt and mm_processor_kwargs are for a model that takes images; "
+                             f"{path} ({self.model_config.architecture}) takes none")
+        # (mm_processor_kwargs: the preprocessing's bounds of an image's area, in place of the checkpoint's)
         self.image_processor = None if vision is None else ImageProcessorConfig.from_dir(
             path, patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-            merge_size=vision.spatial_merge_size)
+            merge_size=vision.spatial_merge_size).overridden(self.args.mm_processor_kwargs)
+        self.max_images = (self.args.limit_mm_per_prompt or {}).get("image")  # a prompt's images at most (None: any)
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none), holding its
         # weights alone
         self.mtp_head = MtpHead.from_model(self.model, take=True) if mtp else None
@@ -952,15 +957,21 @@ class Engine:
                 req.lora_uid, req.namespace = lora.uid, lora_namespace(lora, req.namespace)  # (its slot: at admission)
         return reqs, single
 
-    def process_images(self, sources: Sequence[Any]) -> list[ProcessedImage]:
+    def process_images(self, sources: Sequence[Any],
+                       mm_processor_kwargs: dict[str, int] | None = None) -> list[ProcessedImage]:
         """Each image of ``sources`` (what ``image_data`` takes; a :class:`ProcessedImage` as it is) decoded and
         preprocessed for this model's vision tower: its patches and its token count (``num_tokens``), what a
-        server reads to know a prompt's length before submitting it. ``RequestError`` (``image_data``) for one
-        that cannot be read, images whose tokens fill the context (known from each header, before its pixels
-        are decoded), or a model without a vision tower. Decoding takes milliseconds an image: not on an event
-        loop."""
-        self._check_takes_images()
-        config, total = self.image_processor, 0
+        server reads to know a prompt's length before submitting it. ``mm_processor_kwargs`` (``min_pixels``,
+        ``max_pixels``) override the engine's preprocessing for these images. ``RequestError`` (``image_data``)
+        for more images than ``limit_mm_per_prompt`` allows, one that cannot be read, images whose tokens fill the
+        context (known from each header, before its pixels are decoded), or a model without a vision tower;
+        (``mm_processor_kwargs``) for an override it does not take. Decoding takes milliseconds an image: not on an
+        event loop."""
+        self.check_image_count(len(sources))
+        try:
+            config, total = self.image_processor.overridden(mm_processor_kwargs), 0
+        except ValueError as exc:
+            raise RequestError(str(exc), "mm_processor_kwargs") from None
 
         def count(tokens: int) -> None:
             nonlocal total
@@ -986,6 +997,14 @@ class Engine:
         token count (``generate``'s ``image_data``), what ``prompt_tokens`` counts. ``RequestError``
         (``image_data``) as ``generate`` refuses the images."""
         return self._expand_images(list(input_ids), list(image_data))[0]
+
+    def check_image_count(self, n: int) -> None:
+        """``RequestError`` (``image_data``) where a prompt of ``n`` images is refused before any is read: more than
+        ``limit_mm_per_prompt`` allows, or any for a model without a vision tower."""
+        self._check_takes_images()
+        if self.max_images is not None and n > self.max_images:
+            raise RequestError(f"image_data: {n} images; a prompt may hold at most {self.max_images} "
+                               f"(limit_mm_per_prompt)", "image_data")
 
     def _check_takes_images(self) -> None:
         """``RequestError`` (``image_data``) for a model without a vision tower."""

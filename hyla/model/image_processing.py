@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 import math
@@ -97,6 +98,20 @@ class ImageProcessorConfig:
         """The multiple both sides of a resized image are: ``patch_size * merge_size``."""
         return self.patch_size * self.merge_size
 
+    def overridden(self, kwargs: dict[str, Any] | None) -> ImageProcessorConfig:
+        """This config with ``kwargs`` (vLLM's ``mm_processor_kwargs``: ``min_pixels`` / ``max_pixels``, the
+        bounds of a resized image's area, so of its token count) in place of its own; itself for none.
+        ``ValueError`` (:func:`check_processor_kwargs`) for another key, a value that is not a positive
+        integer, or bounds that cross."""
+        check_processor_kwargs(kwargs)
+        if not kwargs:
+            return self
+        low, high = kwargs.get("min_pixels", self.min_pixels), kwargs.get("max_pixels", self.max_pixels)
+        if low > high:
+            raise ValueError(f"mm_processor_kwargs: min_pixels ({low}) is above max_pixels ({high}); the "
+                             f"checkpoint's are {self.min_pixels} and {self.max_pixels}")
+        return dataclasses.replace(self, min_pixels=low, max_pixels=high)
+
     @classmethod
     def from_dir(
         cls, path: str | os.PathLike, *, patch_size: int, temporal_patch_size: int, merge_size: int
@@ -124,6 +139,28 @@ class ImageProcessorConfig:
             return cls(**_parse_processor_dict(raw, vision))
         except ValueError as exc:
             raise ValueError(f"{file}: {exc}") from None
+
+
+PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+"""What ``mm_processor_kwargs`` may override (:meth:`ImageProcessorConfig.overridden`)."""
+
+
+def check_processor_kwargs(kwargs: Any) -> None:
+    """``ValueError`` unless ``kwargs`` is None or a dict of :data:`PROCESSOR_KWARGS` keys to positive integers
+    (at most ``MAX_IMAGE_PIXELS``), ``min_pixels <= max_pixels`` where both are given."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs must be an object, got {kwargs!r}")
+    for key, value in kwargs.items():
+        if key not in PROCESSOR_KWARGS:
+            raise ValueError(f"mm_processor_kwargs: {key!r} is not an image preprocessing option hyla takes "
+                             f"(only {', '.join(PROCESSOR_KWARGS)})")
+        if not _is_int(value) or not 0 < value <= MAX_IMAGE_PIXELS:
+            raise ValueError(f"mm_processor_kwargs: {key} must be an integer in [1, {MAX_IMAGE_PIXELS}], got {value!r}")
+    if kwargs.get("min_pixels", 0) > kwargs.get("max_pixels", MAX_IMAGE_PIXELS):
+        raise ValueError(f"mm_processor_kwargs: min_pixels ({kwargs['min_pixels']}) is above max_pixels "
+                         f"({kwargs['max_pixels']})")
 
 
 def _read_processor_dict(path: Path) -> tuple[Path, dict[str, Any]] | None:

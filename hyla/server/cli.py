@@ -11,6 +11,7 @@ cannot drift apart.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -18,7 +19,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
@@ -40,14 +41,25 @@ FLAG_ALIASES = {"tokenizer_path": ("--tokenizer",), "context_length": ("--max-mo
                 "max_running_requests": ("--max-num-seqs",), "disable_cuda_graph": ("--enforce-eager",)}
 
 
-def _flag_type(annotation: Any) -> type:
-    """``int``, ``int | None`` → int; ``str | None`` → str; bool stays bool."""
+def _flag_type(annotation: Any) -> Callable[[str], Any]:
+    """``int``, ``int | None`` → int; ``str | None`` → str; bool stays bool; ``dict | None`` → a JSON object."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) != 1:
             raise TypeError(f"cannot make a flag for {annotation}")
-        return args[0]
-    return annotation
+        annotation = args[0]
+    return json_object if annotation is dict else annotation
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (vLLM's ``--limit-mm-per-prompt '{"image": 4}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"image\": 4}}', got {text!r}")
+    return value
 
 
 def engine_flags() -> dict[str, tuple[str, type, Any, str]]:
@@ -153,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help=f"{help_text} (default: {'on' if default else 'off'})")
         else:
             shown = "" if default is None else f" (default: {default})"  # None: the help says what happens
-            group.add_argument(*flags, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
+            group.add_argument(*flags, dest=name, type=kind, default=default, metavar="JSON" if kind is json_object else kind.__name__.upper(),
                                help=help_text + shown)
     group.add_argument("--skip-server-warmup", dest="warmup", action="store_const", const="off",
                        help="--warmup off (SGLang's flag).")  # after --warmup: its default is the dest's

@@ -213,7 +213,7 @@ class OpenAIRoutes:
                                     "takes a chat without images)", param="truncate_prompt_tokens")
             encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
                                                                body.max_new_tokens()))
-        images = await chat_images(self.server, engine, body.messages)
+        images = await chat_images(self.server, engine, body.messages, body.mm_processor_kwargs)
         max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_new_tokens(),
                                 body.max_new_tokens_field(), "messages")
         _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
@@ -416,21 +416,28 @@ def final_text(chat: list[ChatMessage]) -> str:
     return content if isinstance(content, str) else ""
 
 
-async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage]) -> list[ProcessedImage] | None:
+async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage],
+                      processor_kwargs: dict[str, Any] | None = None) -> list[ProcessedImage] | None:
     """The chat's images in order: http(s) URLs fetched where the server allows their host (``media.py``), then
     each decoded and preprocessed on a worker thread (``Engine.process_images``: ``Engine.generate``'s
-    ``image_data``); None without any. A 400 naming ``messages`` for one that cannot be fetched or read, or
-    where the model takes none."""
+    ``image_data``; ``processor_kwargs``: the request's ``mm_processor_kwargs``); None without any. A 400
+    naming ``messages`` for one that cannot be fetched or read, more than ``--limit-mm-per-prompt``, or where
+    the model takes none; naming ``mm_processor_kwargs`` for an override the engine does not take."""
     urls = chat_image_urls(chat)
     if not urls:
         return None
     check_takes_images(engine, chat)  # (before fetching anything)
+    try:
+        engine.check_image_count(len(urls))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
     fetched = iter(await server.media.fetch_all([u for u in urls if is_fetched(u)], "messages"))
     sources = [next(fetched) if is_fetched(u) else u for u in urls]
     try:
-        return await asyncio.to_thread(engine.process_images, sources)
+        return await asyncio.to_thread(engine.process_images, sources, processor_kwargs)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+        param = "mm_processor_kwargs" if getattr(exc, "param", None) == "mm_processor_kwargs" else "messages"
+        raise APIError(400, str(exc), param=param) from None
 
 
 def chat_image_urls(chat: list[ChatMessage]) -> list[str]:

@@ -740,6 +740,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the images' preprocessing for this request (min_pixels / max_pixels; Engine.process_images)
+    mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's: the template's generation prompt (the new assistant turn's header), or, instead, the final
     # (assistant) message left open for the model to continue (a prefill): prefill_error
     add_generation_prompt: bool = True
@@ -914,6 +916,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # the images' preprocessing, as a chat completion's
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False  # also answer each token's vocabulary string
 

@@ -54,7 +54,7 @@ class TokenRoutes:
             ids = (await render_chat(self.server, tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                                      continue_final_message=body.continue_final_message)).ids
-            images = await chat_images(self.server, engine, body.messages)
+            images = await chat_images(self.server, engine, body.messages, body.mm_processor_kwargs)
             if images:  # each placeholder repeated to its image's tokens: the prompt as the engine feeds it
                 try:
                     ids = await asyncio.to_thread(engine.prompt_ids, ids, images)
