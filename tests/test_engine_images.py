@@ -412,6 +412,13 @@ def test_a_prompts_images_are_limited_and_their_preprocessing_overridden(qwen3_5
             with pytest.raises(RequestError, match=match) as err:
                 engine.process_images([image], bad)
             assert err.value.param == "mm_processor_kwargs"
+        # the counts from the images' headers alone are the processed images' (the engine's bounds or a request's)
+        sizes = [png(42, h, w) for h, w in ((64, 64), (40, 56), (16, 200), (100, 30))]
+        for kwargs in (None, {"max_pixels": 32 * 32}, {"min_pixels": 48 * 48}):
+            assert engine.count_image_tokens(sizes, kwargs) == [
+                image.num_tokens for image in engine.process_images(sizes, kwargs)]
+        with pytest.raises(RequestError, match="not an image"):
+            engine.count_image_tokens([b"nothing"])
         assert_drained(engine)
     assert compare_outputs([got], [want]) == 5
     for kw, match in ((dict(limit_mm_per_prompt={"audio": 1}), "not a modality"),

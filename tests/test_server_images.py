@@ -186,6 +186,14 @@ def test_responses_and_messages_take_images(server, client):
     tokens = httpx.post(server.url + "/v1/messages/count_tokens", timeout=60,
                         json={"model": MODEL, "messages": [message]}).json()
     assert tokens["input_tokens"] == chat.usage.prompt_tokens
+    # count_tokens reads each image's header alone: a PNG cut short after it is counted, and refused when sent
+    raw = base64.b64decode(data)
+    cut = {**message, "content": [message["content"][0], {"type": "image", "source": {
+        "type": "base64", "media_type": media, "data": base64.b64encode(raw[:len(raw) // 2]).decode()}}]}
+    tokens = httpx.post(server.url + "/v1/messages/count_tokens", timeout=60, json={"model": MODEL, "messages": [cut]})
+    assert tokens.json()["input_tokens"] == chat.usage.prompt_tokens
+    bad = httpx.post(server.url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 6, "messages": [cut]})
+    assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
     for source, words in (({"type": "url", "url": "https://example.com/a.png"}, "does not fetch images from"),
                           ({"type": "file", "file_id": "file_1"}, "holds no files")):
         bad = httpx.post(server.url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 6, "messages": [

@@ -57,7 +57,8 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
-from hyla.model.image_processing import ImageProcessorConfig, ProcessedImage, image_tokens, load_image, process_image
+from hyla.model.image_processing import (ImageProcessorConfig, ProcessedImage, image_tokens, load_image, open_image,
+                                         process_image)
 from hyla.model.loader import read_quantization
 from hyla.model.lora import enable_lora_, lora_widths, read_adapter
 from hyla.model.ops import gpu as gpu_ops
@@ -968,10 +969,7 @@ class Engine:
         (``mm_processor_kwargs``) for an override it does not take. Decoding takes milliseconds an image: not on an
         event loop."""
         self.check_image_count(len(sources))
-        try:
-            config, total = self.image_processor.overridden(mm_processor_kwargs), 0
-        except ValueError as exc:
-            raise RequestError(str(exc), "mm_processor_kwargs") from None
+        config, total = self._image_config(mm_processor_kwargs), 0
 
         def count(tokens: int) -> None:
             nonlocal total
@@ -997,6 +995,26 @@ class Engine:
         token count (``generate``'s ``image_data``), what ``prompt_tokens`` counts. ``RequestError``
         (``image_data``) as ``generate`` refuses the images."""
         return self._expand_images(list(input_ids), list(image_data))[0]
+
+    def count_image_tokens(self, sources: Sequence[Any], mm_processor_kwargs: dict[str, int] | None = None) -> list[int]:
+        """Each image's token count as :meth:`process_images` gives it, from its header alone (no pixel decoded):
+        what counting a prompt's tokens needs. ``RequestError`` as ``process_images`` refuses, but for pixel data
+        that is corrupt, which only decoding finds."""
+        self.check_image_count(len(sources))
+        config = self._image_config(mm_processor_kwargs)
+        try:
+            return [src.num_tokens if isinstance(src, ProcessedImage) else image_tokens(*open_image(src).size, config)
+                    for src in sources]
+        except ValueError as exc:
+            raise RequestError(f"image_data: {exc}", "image_data") from None
+
+    def _image_config(self, mm_processor_kwargs: dict[str, int] | None) -> ImageProcessorConfig:
+        """The engine's image preprocessing with a request's ``mm_processor_kwargs`` (``RequestError`` naming them
+        for one it does not take)."""
+        try:
+            return self.image_processor.overridden(mm_processor_kwargs)
+        except ValueError as exc:
+            raise RequestError(str(exc), "mm_processor_kwargs") from None
 
     def check_image_count(self, n: int) -> None:
         """``RequestError`` (``image_data``) where a prompt of ``n`` images is refused before any is read: more than

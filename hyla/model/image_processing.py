@@ -413,12 +413,23 @@ def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int
     decoded; PIL's own decompression-bomb warning and error become this ``ValueError`` too), a source of
     another type, negative limits. ``check_size(width, height)``, called from the header too, before the
     pixels are decoded, may refuse the image with its own ``ValueError`` (a budget of tokens)."""
+    image = open_image(source, max_bytes=max_bytes, max_pixels=max_pixels)
+    if check_size is not None:
+        check_size(*image.size)
+    return _loaded(image)
+
+
+def open_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> PIL.Image.Image:
+    """:func:`load_image`'s image before its pixels are decoded: its header read and its size checked (its
+    ``size`` is what an image's tokens follow from: :func:`image_tokens`). ``ValueError`` as ``load_image``,
+    but for pixel data that is truncated or corrupt, which only decoding finds."""
     if not _is_int(max_bytes) or max_bytes < 0:
         raise ValueError(f"max_bytes must be a non-negative integer, got {max_bytes!r}")
     if not _is_int(max_pixels) or max_pixels < 0:
         raise ValueError(f"max_pixels must be a non-negative integer, got {max_pixels!r}")
     if isinstance(source, PIL.Image.Image):
-        return _checked_pil(source, max_pixels, check_size)
+        return _checked_size(source, max_pixels)
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, str) and source[:5].lower() == "data:":
@@ -433,7 +444,7 @@ def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int
         raise ValueError("the image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise ValueError(f"the image is {len(data)} bytes, more than the limit of {max_bytes}")
-    return _decode(data, max_pixels, check_size)
+    return _checked_size(_open(data), max_pixels)
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -489,13 +500,13 @@ def _image_formats() -> list[str]:
     return [f for f in IMAGE_FORMATS if f in PIL.Image.OPEN]
 
 
-def _decode(data: bytes, max_pixels: int, check_size: Callable[[int, int], None] | None) -> PIL.Image.Image:
-    """The image encoded in ``data``, checked against ``max_pixels`` from its header and then fully decoded.
-    (PIL's decompression-bomb check at ``open`` raises past twice its own limit, and only warns below that:
-    ``max_pixels`` refuses those. No warning filter is touched: the filters are process-wide, and images
-    are decoded on several threads at once.)"""
+def _open(data: bytes) -> PIL.Image.Image:
+    """The image encoded in ``data``, its header read (its pixels not decoded). (PIL's decompression-bomb check
+    at ``open`` raises past twice its own limit, and only warns below that: ``max_pixels`` refuses those. No
+    warning filter is touched: the filters are process-wide, and images are decoded on several threads at
+    once.)"""
     try:
-        image = PIL.Image.open(io.BytesIO(data), formats=_image_formats())
+        return PIL.Image.open(io.BytesIO(data), formats=_image_formats())
     except PIL.Image.DecompressionBombError as exc:
         raise ValueError(f"the image is too large: {exc}") from None
     except PIL.UnidentifiedImageError:
@@ -505,13 +516,10 @@ def _decode(data: bytes, max_pixels: int, check_size: Callable[[int, int], None]
         ) from None
     except Exception as exc:  # (PIL's readers raise many types for malformed headers)
         raise ValueError(f"the image cannot be decoded ({type(exc).__name__}: {exc})") from None
-    return _checked_pil(image, max_pixels, check_size)
 
 
-def _checked_pil(image: PIL.Image.Image, max_pixels: int,
-                 check_size: Callable[[int, int], None] | None = None) -> PIL.Image.Image:
-    """``image`` checked for size (and by ``check_size``), then loaded; its first frame (a copy) where it is
-    animated."""
+def _checked_size(image: PIL.Image.Image, max_pixels: int) -> PIL.Image.Image:
+    """``image``, refused for no pixels or more than ``max_pixels``."""
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ValueError(f"the image is empty ({width}x{height} pixels)")
@@ -519,8 +527,11 @@ def _checked_pil(image: PIL.Image.Image, max_pixels: int,
         raise ValueError(
             f"the image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}"
         )
-    if check_size is not None:
-        check_size(width, height)
+    return image
+
+
+def _loaded(image: PIL.Image.Image) -> PIL.Image.Image:
+    """``image`` with its pixels decoded; its first frame (a copy) where it is animated."""
     try:
         if getattr(image, "is_animated", False):  # (not n_frames: that decodes every frame of a GIF)
             position = image.tell()

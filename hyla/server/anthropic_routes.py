@@ -31,9 +31,10 @@ from hyla.server.auth import bearer_key_matches
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat, chat_images,
-                                       final_text, forced_tool_grammar, image_tokens, job_rids, kept_markers,
-                                       opens_thinking, output_budget, render_chat, split_answer, thinking_first)
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat,
+                                       chat_image_tokens, chat_images, final_text, forced_tool_grammar, image_tokens,
+                                       job_rids, kept_markers, opens_thinking, output_budget, render_chat,
+                                       split_answer, thinking_first)
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.tokenizer.tokenizer import ChatEncoding
 
@@ -91,10 +92,10 @@ class AnthropicRoutes:
         try:
             body = await self._body(request, CountTokensRequest)
             engine, chat, encoding = await self._prompt(body)
-            images = await chat_images(self.server, engine, chat.messages)
+            images = await chat_image_tokens(self.server, engine, chat.messages)  # (from the images' headers)
         except APIError as exc:
             return _error(exc)
-        return JSONResponse({"input_tokens": len(encoding.ids) + image_tokens(images)})
+        return JSONResponse({"input_tokens": len(encoding.ids) + images})
 
     async def _body(self, request: Request, model: type[CountTokensRequest]) -> Any:
         """The API key checked (``x-api-key`` or a bearer token), then the body read and validated: a 401 or a 400
