@@ -432,6 +432,38 @@ def test_a_prompts_images_are_limited_and_their_preprocessing_overridden(qwen3_5
         Engine(qwen3_5_path, limit_mm_per_prompt={"image": 2})
 
 
+def test_a_prefix_with_images_moves_between_engines(qwen3_5_vl_path, qwen3_5_path):
+    """export_prefix / import_prefix / cached_tokens with image_data: the prefix is keyed by the images, so the
+    importing engine's request hits all of it but its last token and answers as computed there; with prompt
+    logprobs, the limit is counted past the images; another image finds nothing; a text model refuses image
+    keys."""
+    image, other = png(51, 64, 64), png(52, 64, 64)
+    prompt = image_prompt([5, 6], None, list(range(20, 30)))
+    kw = dict(max_running_requests=2, debug_checks=True)
+    with Engine(qwen3_5_vl_path, **kw) as source, Engine(qwen3_5_vl_path, **kw) as target:
+        want = target.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(4), return_logprob=True)
+        n = want["meta_info"]["prompt_tokens"]
+        assert target.flush_cache()
+        source.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(1))
+        assert source.cached_tokens(prompt, image_data=[image]) == n - 1
+        assert source.cached_tokens(prompt, image_data=[other]) == 0  # (no state kept before the image)
+        # (prompt logprobs from position 6 as given, 21 with the image's 16 tokens: a cache may serve 20 of them)
+        assert source.cached_tokens_by_tier(prompt, image_data=[image], logprob_start_len=6)[2] == 6 + 15 - 1
+        prefix = source.export_prefix(prompt, image_data=image)
+        assert len(prefix) == n - 1 and min(prefix.token_ids) < 0  # (the image's tokens: its key)
+        assert target.import_prefix(prefix.to_bytes()) == n - 1
+        assert target.cached_tokens(prompt, image_data=[image]) == n - 1
+        got = target.generate(input_ids=prompt, image_data=[image], sampling_params=greedy(4), return_logprob=True)
+        assert got["meta_info"]["cached_tokens"] == n - 1
+        assert target.get_stats()["num_image_encodes"] == 1  # (want's; got's image was in the prefix)
+        assert_drained(source)
+        assert_drained(target)
+    assert compare_outputs([got], [want]) == 4
+    with Engine(qwen3_5_path, max_running_requests=2) as text:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            text.import_prefix(prefix.to_bytes())
+
+
 def test_the_embedding_cache_keeps_the_most_recently_used_within_its_bytes():
     from hyla.engine.multimodal import EmbeddingCache
 

@@ -306,3 +306,42 @@ def test_an_image_without_its_placeholder_is_a_400(server, tiny_ckpt_dir, tmp_pa
             "model": MODEL, "max_tokens": 2, "messages": [image_message("hi", data_url(4))]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages" and "placeholder" in r.json()["error"]["message"]
+
+
+def test_disaggregated_prompts_with_images_answer_as_one_worker_does(tiny_ckpt_dir):
+    """Behind ``hyla route --prefill-urls``, a chat with an image moves as any prompt: the prefill worker runs the
+    tower and computes it, the decode worker imports the prefix (keyed by the image's digest) and hits all of it
+    but its last token, running no tower; the answer (tokens and logprobs) is the decode worker's computing the
+    prompt itself. The next turn, with another image, moves its new part."""
+    from hyla.router.app import create_router_app
+    from test_router import _Uvicorn, _counts
+
+    path = make_vl_chat_model(tiny_ckpt_dir)
+    opts = dict(served_model_name=MODEL, max_total_tokens=4096, max_state_slots=32, context_length=CONTEXT)
+    first = [image_message("What is in this one?", data_url(21, 64, 64))]
+    second = first + [{"role": "assistant", "content": "a thing"}, image_message("and here?", data_url(22))]
+
+    def chat(url: str, messages: list[dict]):
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True)
+        return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content], r.usage
+
+    with BackgroundServer(create_app(path, **opts)) as decode, BackgroundServer(create_app(path, **opts)) as prefill:
+        engines = [decode.app.state.server.engine, prefill.app.state.server.engine]
+        want = [chat(decode.url, m) for m in (first, second)]  # (computed by the decode worker alone)
+        for engine in engines:
+            assert engine.flush_cache()
+        encodes = [e.get_stats()["num_image_encodes"] for e in engines]
+        with _Uvicorn(create_router_app([decode.url], prefill_urls=[prefill.url], health_interval=0.2,
+                                        local_prefill_tokens=0)) as router:
+            got = [chat(router.url, m) for m in (first, second)]
+            assert _counts(router.url, "hyla_router_prefills_total") == {"exported": 2}
+            assert _counts(router.url, "hyla_router_prefix_imports_total") == {"imported": 2}
+        for (text, lps, usage), (want_text, want_lps, want_usage) in zip(got, want):
+            assert text == want_text and usage.prompt_tokens == want_usage.prompt_tokens
+            assert all(abs(a - b) <= 1e-4 for a, b in zip(lps, want_lps)) and len(lps) == len(want_lps)
+            assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # (moved)
+        stats = [e.get_stats()["num_image_encodes"] - n for e, n in zip(engines, encodes)]
+        assert stats == [0, 2], stats  # (the tower ran on the prefill worker alone: once an image)
+        for engine in engines:
+            engine.check_integrity()

@@ -165,8 +165,9 @@ class CachedPrefix:
         except Exception as exc:  # safetensors' own errors, a missing key, bad JSON
             raise ValueError(f"not a hyla cached prefix: {exc}") from None
         if not isinstance(token_ids, list) or not token_ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
-            raise ValueError("a cached prefix's token_ids must be a non-empty list of token ids")
+                isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63 for t in token_ids):
+            # (the tree's keys: token ids, or negative ids naming a prompt's images, which the engine checks)
+            raise ValueError("a cached prefix's token_ids must be a non-empty list of the cache's keys (64-bit ints)")
         if isinstance(kv_start, bool) or not isinstance(kv_start, int):
             raise ValueError(f"a cached prefix's kv_start must be a position, got {kv_start!r}")
         if weight_version is not None and not isinstance(weight_version, str):

@@ -573,7 +573,7 @@ class Engine:
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
     def export_prefix(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
-                      kv_from: int = 0, lora_name: str | None = None) -> CachedPrefix | None:
+                      kv_from: int = 0, lora_name: str | None = None, image_data: Any = None) -> CachedPrefix | None:
         """A copy of what a request with prompt ``input_ids`` (in cache ``namespace``) would find cached:
         the longest cached prefix of all its tokens but the last, with its KV and the recurrent state
         after it (``hyla/cache/prefix_transfer.py``); None where nothing is cached. ``CachedPrefix.to_bytes``
@@ -584,10 +584,11 @@ class Engine:
         state is whole. It runs on the scheduler thread between steps (a copy out of the device: on a
         GPU it waits for the step in flight). ``lora_name``: what a request applying that LoRA adapter would
         find (its own namespace within ``namespace``; the prefix carries it, so that the importing engine's
-        requests of the same adapter's files hit it). ``ValueError`` for bad token ids, namespace, ``kv_from`` or
-        ``lora_name``."""
+        requests of the same adapter's files hit it). ``image_data``: the prompt's images, as ``generate`` takes
+        them (the prefix's keys name them: ``Req.fill_keys``). ``ValueError`` for bad token ids, namespace,
+        ``kv_from``, ``lora_name`` or images."""
         _check_timeout(timeout)
-        ids = self._prefix_ids(input_ids)
+        ids, _ = self._prefix_keys(input_ids, image_data, -1)
         namespace = self._cache_namespace(namespace, lora_name)
         if isinstance(kv_from, bool) or not isinstance(kv_from, int) or kv_from < 0:
             raise ValueError(f"kv_from must be a position (an int >= 0), got {kv_from!r}")
@@ -605,34 +606,45 @@ class Engine:
         _check_namespace(namespace)
         return lora_namespace(self._loras(lora_name, 1)[0], namespace)
 
-    def _prefix_ids(self, input_ids: Any) -> list[int]:
-        """``input_ids`` checked as a prompt of this model's vocabulary (``export_prefix``, ``cached_tokens``)."""
+    def _prefix_keys(self, input_ids: Any, image_data: Any, logprob_start_len: int) -> tuple[list[int], int]:
+        """A prompt's keys in the prefix cache (``export_prefix``, ``cached_tokens``): ``input_ids`` checked as a
+        prompt of this model's vocabulary, with ``image_data``'s tokens (as ``generate`` takes them) named by
+        their images (``Req.fill_keys``); and the most a cache could serve of it (``new_request_match_limit``,
+        ``logprob_start_len`` moved past the images before it)."""
         vocab = self.model_config.vocab_size
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
             raise RequestError("input_ids must be a list of token ids", "input_ids")
-        return [_token_id(t, vocab) for t in input_ids]
+        ids = [_token_id(t, vocab) for t in input_ids]
+        _check_logprob_start(logprob_start_len, len(ids))
+        if image_data is not None:
+            sources = list(image_data) if isinstance(image_data, (list, tuple)) else [image_data]
+            self.check_image_count(len(sources))
+            expanded, images = self._expand_images(ids, sources)
+            ids = images.key_ids(expanded)
+            logprob_start_len = images.expanded(logprob_start_len) if logprob_start_len > 0 else logprob_start_len
+        return ids, new_request_match_limit(len(ids), logprob_start_len) if ids else 0
 
     def cached_tokens(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
-                      device_only: bool = False, lora_name: str | None = None) -> int:
+                      device_only: bool = False, lora_name: str | None = None, image_data: Any = None) -> int:
         """How many tokens of prompt ``input_ids`` (in cache ``namespace``) a request would find cached now
         (the prefix ``export_prefix`` would copy; the host tier's too unless ``device_only``: what an
         import's ``kv_from`` may skip). A router asks it to decide where a prompt is computed. Runs on the
-        scheduler thread between steps. ``lora_name``: for a request applying that LoRA adapter. ``ValueError``
-        for bad token ids, namespace or ``lora_name``."""
-        cached = self.cached_tokens_by_tier(input_ids, namespace, timeout, lora_name=lora_name)
+        scheduler thread between steps. ``lora_name``: for a request applying that LoRA adapter; ``image_data``: with
+        the prompt's images (as ``generate`` takes them; the counts are of its tokens with the images'). ``ValueError``
+        for bad token ids, namespace, ``lora_name`` or images."""
+        cached = self.cached_tokens_by_tier(input_ids, namespace, timeout, lora_name=lora_name, image_data=image_data)
         return cached.device if device_only else cached.any_tier
 
     def cached_tokens_by_tier(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
-                              logprob_start_len: int = -1, lora_name: str | None = None) -> CachedTokens:
+                              logprob_start_len: int = -1, lora_name: str | None = None,
+                              image_data: Any = None) -> CachedTokens:
         """``cached_tokens`` both ways in one query of the scheduler thread, and the most any cache could
         serve of this prompt: ``CachedTokens(device_only, any_tier, limit)``. ``logprob_start_len`` as
         ``generate`` takes it (a request with prompt logprobs is served from a cache only up to the first
-        position whose logits they need): the counts are for such a request; ``lora_name`` too."""
+        position whose logits they need): the counts are for such a request; ``lora_name`` and ``image_data`` too."""
         _check_timeout(timeout)
-        ids = self._prefix_ids(input_ids)
+        ids, limit = self._prefix_keys(input_ids, image_data, logprob_start_len)
         namespace = self._cache_namespace(namespace, lora_name)
-        _check_logprob_start(logprob_start_len, len(ids))
-        limit = new_request_match_limit(len(ids), logprob_start_len) if ids else 0
         device, any_tier = self._on_scheduler_thread(lambda: self.cache.prompt_cached_lens(ids, namespace, limit),
                                                      timeout)
         return CachedTokens(device, any_tier, limit)
@@ -677,10 +689,12 @@ class Engine:
     def _check_prefix(self, prefix: CachedPrefix) -> None:
         """What ``CacheManager.import_prefix`` cannot check: the prefix's token ids, length and namespace."""
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prefix.token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
-                   None) if prefix.token_ids else None
+        low = -2**63 if self.image_processor is not None else 0  # (a model that takes images: its images' keys)
+        bad = next((t for t in prefix.token_ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not low <= t < vocab), None) if prefix.token_ids else None
         if bad is not None:
-            raise ValueError(f"the prefix's token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"the prefix's token id {bad!r} is outside the vocabulary [0, {vocab})"
+                             f"{' (or an image key, negative)' if low else ''}")
         if len(prefix) >= self.context_length:
             raise ValueError(f"a prefix of {len(prefix)} tokens is longer than any prompt this engine takes (its "
                              f"context length is {self.context_length})")

@@ -30,6 +30,11 @@ the KV from there on only (``X-Hyla-KV-From``): a conversation's later turn move
 and the state, not its whole history's KV. The decision is the decode worker's, on its cache as it
 is, not on the router's picture of it.
 
+A prompt with images moves as any other: each worker reads the request's images (an image URL is fetched by
+both: each must list its host), the prefill worker runs the vision tower and computes the prompt, and the prefix
+it answers is keyed as the decode worker's cache keys the prompt (each image's tokens named by its digest:
+``Req.fill_keys``), so the decode worker's request hits it and runs no tower.
+
 A request with a LoRA adapter (its ``model`` an adapter's name, ``Job.lora_name``) moves as any other: the
 prefill worker computes its prompt with the adapter, and the prefix it answers is in the adapter's cache
 namespace (``Engine.export_prefix``'s ``lora_name``: the adapter's content digest), which the decode worker's
@@ -92,23 +97,28 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
     value = request.headers.get(LOCAL_PREFILL_HEADER)
-    if value is None or isinstance(jobs[0].prompt, str) or jobs[0].image_data:  # (a prompt with images: computed here)
+    if value is None or isinstance(jobs[0].prompt, str):
         return None
     allowed = header_count(value)
     if allowed is None:
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {value!r}")
     job, engine = jobs[0], server.admit()
     try:  # (limit: how far any cached prefix can serve it: all but the last token, or up to its prompt logprobs)
-        held, cached, limit = await asyncio.to_thread(lambda: engine.cached_tokens_by_tier(
-            job.prompt, job.namespace, logprob_start_len=job.logprob_start_len, lora_name=job.lora_name))
-        if len(job.prompt) - cached <= allowed or cached == limit:
+        def counts() -> tuple[Any, int]:  # (and the prompt's length, its images' tokens counted)
+            return engine.cached_tokens_by_tier(
+                job.prompt, job.namespace, logprob_start_len=job.logprob_start_len, lora_name=job.lora_name,
+                image_data=job.image_data), \
+                len(engine.prompt_ids(job.prompt, job.image_data) if job.image_data else job.prompt)
+
+        (held, cached, limit), length = await asyncio.to_thread(counts)
+        if length - cached <= allowed or cached == limit:
             return None  # (few enough to compute here, or nothing a move could add)
         # a request the engine refuses (prompt + max_tokens past the context, a grammar that does not compile, more
         # choices than it holds) is served as usual, to be refused there: it is not prefilled anywhere first
         await asyncio.to_thread(engine.check_requests, [job_request(j) for j in jobs])
     except ValueError:  # (a bad token id too: the engine's 400 names the endpoint's field)
         return None
-    raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most {allowed} "
+    raise APIError(409, f"{length - cached} tokens of this prompt are not cached here (at most {allowed} "
                         "are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE,
                    headers={CACHED_TOKENS_HEADER: str(held)})
 
@@ -128,34 +138,37 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
     job = jobs[0]
     if isinstance(job.prompt, str):  # /generate's text, left untokenized: the model has no tokenizer
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
-    if job.image_data:  # (a decode worker computes such a prompt itself: disaggregation_answer)
-        raise APIError(400, "a prompt with images is not prefilled elsewhere: send it to the decode worker",
-                       code="images_not_disaggregated")
     # what a cache can serve of the request (prompt logprobs: up to the first position whose logits they need), and
-    # the token after it: its prefix is what the decode worker's request will hit
+    # the token after it: its prefix is what the decode worker's request will hit (with the images whose placeholder
+    # it keeps: one token each in the prompt as given, so no image is cut; where the prompt logprobs start inside an
+    # image, the prefix reaches its last token)
     ids = job.prompt[:new_request_match_limit(len(job.prompt), job.logprob_start_len) + 1]
+    images = None
+    if job.image_data:
+        placeholder = server.admit().model_config.vision.image_token_id
+        images = job.image_data[:sum(t == placeholder for t in ids)] or None
     prefill = Job(ids, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=[c for c in job.checkpoints if c < len(ids)],
                   speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace,
-                  lora_name=job.lora_name)
+                  lora_name=job.lora_name, image_data=images)
     value = request.headers.get(KV_FROM_HEADER, "0")
     kv_from = header_count(value)
     if kv_from is None:
         raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {value!r}")
     gen = await server.start_generation(endpoint, [prefill], arrival)
     await gen.collect(request)
-    return await prefix_response(server.admit(), ids, job.namespace, kv_from, job.lora_name)
+    return await prefix_response(server.admit(), ids, job.namespace, kv_from, job.lora_name, images)
 
 
 async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any, kv_from: int = 0,
-                          lora_name: str | None = None) -> Response:
-    """The cached prefix a request with prompt ``ids`` (applying LoRA adapter ``lora_name``, or none) would hit
-    (``Engine.export_prefix``; the KV from position ``kv_from`` on), as ``application/octet-stream``
-    (``CachedPrefix.to_bytes``) with its length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where
-    nothing is cached. ``ValueError`` for bad ids or namespace."""
+                          lora_name: str | None = None, image_data: Any = None) -> Response:
+    """The cached prefix a request with prompt ``ids`` (applying LoRA adapter ``lora_name``, or none; with
+    ``image_data``, its images) would hit (``Engine.export_prefix``; the KV from position ``kv_from`` on), as
+    ``application/octet-stream`` (``CachedPrefix.to_bytes``) with its length in ``X-Prefix-Tokens``; a 404
+    (``prefix_not_cached``) where nothing is cached. ``ValueError`` for bad ids or namespace."""
     from hyla.server.errors import APIError
 
     prefix = await asyncio.to_thread(lambda: engine.export_prefix(ids, namespace, kv_from=kv_from,
-                                                                  lora_name=lora_name))
+                                                                  lora_name=lora_name, image_data=image_data))
     if prefix is None:
         raise APIError(404, "no prefix of this prompt is cached", code=PREFIX_NOT_CACHED)
     data = await asyncio.to_thread(prefix.to_bytes)
