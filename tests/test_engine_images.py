@@ -369,7 +369,12 @@ def test_the_embedding_cache_runs_the_tower_once_per_image(qwen3_5_vl_path):
         assert off.get_stats()["num_image_encodes"] == 3 + 1 + 1 + 2 + 2  # (b's second time: a later chunk)
         assert on.flush_cache() and len(cache) == 0 and cache.bytes == 0
         on.generate(**runs[1], sampling_params=greedy(2))
-        assert on.get_stats()["num_image_encodes"] == 3
+        assert on.get_stats()["num_image_encodes"] == 3 and len(cache) == 1
+        # a weight update empties it too (the old weights computed what it holds): the tower runs again
+        on.update_weights_from_disk(qwen3_5_vl_path)
+        assert len(on.scheduler.runner.image_cache) == 0
+        on.generate(**runs[1], sampling_params=greedy(2))
+        assert on.get_stats()["num_image_encodes"] == 4
         assert_drained(on)
     # n choices computed side by side (no prefix cache to serve them): the tower runs for the first alone; an
     # image twice in one chunk: once
@@ -408,7 +413,8 @@ def test_a_prompts_images_are_limited_and_their_preprocessing_overridden(qwen3_5
         done = engine.process_images([image], {"max_pixels": 32 * 32})
         want = engine.generate(input_ids=prompt, image_data=done, sampling_params=greedy(5), return_logprob=True)
         for bad, match in (({"size": 4}, "not an image preprocessing option"), ({"max_pixels": 0}, "max_pixels must"),
-                           ({"min_pixels": 10 ** 6}, "min_pixels .* is above max_pixels"), ([1], "an object")):
+                           ({"min_pixels": 10 ** 6}, "min_pixels .* is above this engine's max_pixels"),
+                           ({"max_pixels": 64 * 64 + 1}, "not raise it past"), ([1], "an object")):
             with pytest.raises(RequestError, match=match) as err:
                 engine.process_images([image], bad)
             assert err.value.param == "mm_processor_kwargs"
@@ -419,6 +425,14 @@ def test_a_prompts_images_are_limited_and_their_preprocessing_overridden(qwen3_5
                 image.num_tokens for image in engine.process_images(sizes, kwargs)]
         with pytest.raises(RequestError, match="not an image"):
             engine.count_image_tokens([b"nothing"])
+    # a request's bounds stay within the engine's: small's cap (32 x 32 pixels) holds against a request
+    with Engine(qwen3_5_vl_path, max_running_requests=2, mm_processor_kwargs={"max_pixels": 32 * 32},
+                context_length=24) as small:
+        with pytest.raises(RequestError, match="not raise it past"):
+            small.process_images([image], {"max_pixels": 64 * 64})
+        with pytest.raises(RequestError, match="the images take .* context length") as err:  # (counted as processed)
+            small.count_image_tokens([image] * 6)
+        assert err.value.param == "image_data" and small.count_image_tokens([image] * 5) == [4] * 5
         assert_drained(engine)
     assert compare_outputs([got], [want]) == 5
     for kw, match in ((dict(limit_mm_per_prompt={"audio": 1}), "not a modality"),
@@ -471,10 +485,14 @@ def test_the_embedding_cache_keeps_the_most_recently_used_within_its_bytes():
     rows = {k: torch.full((10,), float(i)) for i, k in enumerate([b"a", b"b", b"c", b"d"])}
     for k in (b"a", b"b", b"c"):
         cache.put(k, rows[k])
-    assert cache.get(b"a") is rows[b"a"] and cache.num_hits == 1  # (a: the most recently used now)
+    assert torch.equal(cache.get(b"a"), rows[b"a"]) and cache.num_hits == 1  # (a: the most recently used now)
     cache.put(b"d", rows[b"d"])  # b, the least recently used, makes room
-    assert cache.get(b"b") is None and [cache.get(k) is rows[k] for k in (b"a", b"c", b"d")] == [True] * 3
+    assert cache.get(b"b") is None and all(torch.equal(cache.get(k), rows[k]) for k in (b"a", b"c", b"d"))
     assert len(cache) == 3 and cache.bytes == 120
+    # a view of a larger run's output is kept as a copy of its own: the bytes counted are the bytes held
+    run = torch.zeros(40, 10)
+    cache.put(b"f", run[3])
+    assert cache.get(b"f").untyped_storage().nbytes() == 40 and cache.bytes == 120
     cache.put(b"e", torch.zeros(31))  # larger than the whole budget: not kept, nothing dropped
     assert cache.get(b"e") is None and len(cache) == 3
     assert cache.clear() == 3 and cache.bytes == 0 and cache.get(b"a") is None

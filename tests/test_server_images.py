@@ -265,9 +265,11 @@ def test_a_request_overrides_its_images_preprocessing(server, client):
     assert full.usage.prompt_tokens - less.usage.prompt_tokens == 16 - 4
     counted = httpx.post(server.url + "/tokenize", timeout=60, json={"model": MODEL, "messages": messages, **small})
     assert counted.json()["count"] == less.usage.prompt_tokens
-    for bad in ({"size": {"longest_edge": 4}}, {"max_pixels": -1}):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+    text_only = [{"role": "user", "content": "no image here"}]
+    for bad, msgs in (({"size": {"longest_edge": 4}}, messages), ({"max_pixels": -1}, messages),
+                      ({"max_pixels": 128 * 128}, messages), ({"size": 4}, text_only)):
+        with pytest.raises(openai.BadRequestError) as err:  # (past the checkpoint's max_pixels: 64 x 64)
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
                                            extra_body={"mm_processor_kwargs": bad})
         assert err.value.body["param"] == "mm_processor_kwargs"
     server.app.state.server.engine.check_integrity()

@@ -337,6 +337,9 @@ class EngineArgs:
                 raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
                                  f"{'them' if len(changed) > 1 else 'it'}")
 
+        for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):  # (copies: the caller's dicts may change later)
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, dict(getattr(self, name)))
         check_mm_limits(self.limit_mm_per_prompt)
         from hyla.model.image_processing import check_processor_kwargs  # (here: --help must not wait for torch)
         check_processor_kwargs(self.mm_processor_kwargs)

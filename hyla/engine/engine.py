@@ -983,14 +983,7 @@ class Engine:
         (``mm_processor_kwargs``) for an override it does not take. Decoding takes milliseconds an image: not on an
         event loop."""
         self.check_image_count(len(sources))
-        config, total = self._image_config(mm_processor_kwargs), 0
-
-        def count(tokens: int) -> None:
-            nonlocal total
-            total += tokens
-            if total >= self.context_length:
-                raise ValueError(f"the images take {total} tokens or more; the context length is {self.context_length}")
-
+        config, count = self._image_config(mm_processor_kwargs), self._image_budget()
         out = []
         try:
             for src in sources:
@@ -1012,21 +1005,36 @@ class Engine:
 
     def count_image_tokens(self, sources: Sequence[Any], mm_processor_kwargs: dict[str, int] | None = None) -> list[int]:
         """Each image's token count as :meth:`process_images` gives it, from its header alone (no pixel decoded):
-        what counting a prompt's tokens needs. ``RequestError`` as ``process_images`` refuses, but for pixel data
-        that is corrupt, which only decoding finds."""
+        what counting a prompt's tokens needs. ``RequestError`` as ``process_images`` refuses (images that fill the
+        context too), but for pixel data that is corrupt, which only decoding finds."""
         self.check_image_count(len(sources))
-        config = self._image_config(mm_processor_kwargs)
+        config, count = self._image_config(mm_processor_kwargs), self._image_budget()
+        out = []
         try:
-            return [src.num_tokens if isinstance(src, ProcessedImage) else image_tokens(*open_image(src).size, config)
-                    for src in sources]
+            for src in sources:
+                out.append(src.num_tokens if isinstance(src, ProcessedImage)
+                           else image_tokens(*open_image(src).size, config))
+                count(out[-1])
         except ValueError as exc:
             raise RequestError(f"image_data: {exc}", "image_data") from None
+        return out
+
+    def _image_budget(self) -> Callable[[int], None]:
+        """A counter of one prompt's image tokens: ``ValueError`` once they fill the context."""
+        total = 0
+
+        def count(tokens: int) -> None:
+            nonlocal total
+            total += tokens
+            if total >= self.context_length:
+                raise ValueError(f"the images take {total} tokens or more; the context length is {self.context_length}")
+        return count
 
     def _image_config(self, mm_processor_kwargs: dict[str, int] | None) -> ImageProcessorConfig:
-        """The engine's image preprocessing with a request's ``mm_processor_kwargs`` (``RequestError`` naming them
-        for one it does not take)."""
+        """The engine's image preprocessing with a request's ``mm_processor_kwargs``, within the engine's
+        ``max_pixels`` (``RequestError`` naming them for one it does not take)."""
         try:
-            return self.image_processor.overridden(mm_processor_kwargs)
+            return self.image_processor.overridden(mm_processor_kwargs, capped=True)
         except ValueError as exc:
             raise RequestError(str(exc), "mm_processor_kwargs") from None
 

@@ -197,7 +197,8 @@ class EmbeddingCache:
         while self.bytes + size > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.numel() * old.element_size()
-        self._entries[digest] = embeds
+        # a copy: ``embeds`` is a view of the tower's output for all the images of its run, which it would keep alive
+        self._entries[digest] = embeds.clone()
         self.bytes += size
 
     def clear(self) -> int:

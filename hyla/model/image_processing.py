@@ -98,14 +98,19 @@ class ImageProcessorConfig:
         """The multiple both sides of a resized image are: ``patch_size * merge_size``."""
         return self.patch_size * self.merge_size
 
-    def overridden(self, kwargs: dict[str, Any] | None) -> ImageProcessorConfig:
+    def overridden(self, kwargs: dict[str, Any] | None, *, capped: bool = False) -> ImageProcessorConfig:
         """This config with ``kwargs`` (vLLM's ``mm_processor_kwargs``: ``min_pixels`` / ``max_pixels``, the
         bounds of a resized image's area, so of its token count) in place of its own; itself for none.
-        ``ValueError`` (:func:`check_processor_kwargs`) for another key, a value that is not a positive
-        integer, or bounds that cross."""
+        ``capped`` (a request's, over the server's config): neither may exceed this config's ``max_pixels``, the
+        operator's cap on an image's tokens. ``ValueError`` (:func:`check_processor_kwargs`) for another key, a
+        value that is not a positive integer, bounds that cross, or (``capped``) a value past the cap."""
         check_processor_kwargs(kwargs)
         if not kwargs:
             return self
+        over = [key for key, value in kwargs.items() if capped and value > self.max_pixels]
+        if over:
+            raise ValueError(f"mm_processor_kwargs: {over[0]} ({kwargs[over[0]]}) is above this engine's max_pixels "
+                             f"({self.max_pixels}): a request may lower an image's size, not raise it past that")
         low, high = kwargs.get("min_pixels", self.min_pixels), kwargs.get("max_pixels", self.max_pixels)
         if low > high:
             raise ValueError(f"mm_processor_kwargs: min_pixels ({low}) is above max_pixels ({high}); the "

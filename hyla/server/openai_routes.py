@@ -424,7 +424,15 @@ async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage],
     naming ``messages`` for one that cannot be fetched or read, more than ``--limit-mm-per-prompt``, or where
     the model takes none; naming ``mm_processor_kwargs`` for an override the engine does not take."""
     sources = await _image_sources(server, engine, chat)
-    return None if sources is None else await _on_images(engine.process_images, sources, processor_kwargs)
+    if sources is None:
+        from hyla.model.image_processing import check_processor_kwargs
+
+        try:  # (checked all the same: a request that sends them means them)
+            check_processor_kwargs(processor_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="mm_processor_kwargs") from None
+        return None
+    return await _on_images(engine.process_images, sources, processor_kwargs)
 
 
 async def chat_image_tokens(server: Server, engine: Engine, chat: list[ChatMessage],
