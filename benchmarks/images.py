@@ -13,7 +13,9 @@ a ``Qwen3_5ForConditionalGeneration`` checkpoint built here with transformers. E
   each round (preprocessing, tower, prefill), against transformers' forward of the same prompt (its prefill
   alone); and *cached*, the same image again with another question after it: the cache serves the system
   prompt and the image (the state after the image kept as a chat's message end is), so the tower does not
-  run. The cached/cold ratio is what the cache saves.
+  run. The cached/cold ratio is what the cache saves. And *embedded*: the same image after another system
+  prompt, where the prefix cache serves nothing: the embedding cache (``mm_embedding_cache_mb``) serves the tower's
+  output, so the turn pays preprocessing and prefill alone.
 
 Writes the ``## Images in prompts`` section of docs/benchmarks.md.
 
@@ -127,7 +129,7 @@ def main() -> None:
         system = rng.randint(10, vocab, 24).tolist()
         turn = lambda question: system + [vs, img, ve] + question  # noqa: E731
         results: dict[str, list[float]] = {k: [] for k in ("prep", "prep_peer", "tower", "tower_peer", "cold",
-                                                           "cold_peer", "cached")}
+                                                           "cold_peer", "cached", "embedded")}
         num_tokens = 0
         try:
             for rnd in range(1 + args.repeats):
@@ -158,8 +160,13 @@ def main() -> None:
                                                                   sampling_params={"max_new_tokens": 1})))
                 hit = out["meta_info"]["cached_tokens"]
                 assert hit >= len(system) + 2 + num_tokens, f"the image was not served from the cache ({hit} tokens)"
+                third = rng.randint(10, vocab, 24).tolist() + [vs, img, ve] + rng.randint(10, vocab, 12).tolist()
+                hits = engine.get_stats()["num_image_cache_hits"]
+                embedded = timed(lambda: out.update(engine.generate(input_ids=third, image_data=[data],
+                                                                    sampling_params={"max_new_tokens": 1})))
+                assert out["meta_info"]["cached_tokens"] == 0 and engine.get_stats()["num_image_cache_hits"] == hits + 1
                 row = dict(prep=prep, prep_peer=prep_peer, tower=tower, tower_peer=tower_peer, cold=cold,
-                           cold_peer=cold_peer, cached=cached)
+                           cold_peer=cold_peer, cached=cached, embedded=embedded)
                 print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: " +
                       ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row.items()), flush=True)
                 if rnd:
@@ -180,9 +187,12 @@ image tokens after a 24-token system prompt; medians of {args.repeats} rounds, e
 | vision tower | {med['tower']:.1f} | {med['tower_peer']:.1f} (transformers' `Qwen3_5VisionModel`) | {med['tower'] / med['tower_peer']:.2f}x |
 | TTFT, new image (preprocessing + tower + prefill) | {med['cold']:.1f} | {med['cold_peer']:.1f} (transformers' forward, tower + prefill) | {med['cold'] / med['cold_peer']:.2f}x |
 | TTFT, the same image, another question | {med['cached']:.1f} | {med['cold']:.1f} (hyla, new image) | {med['cached'] / med['cold']:.2f}x |
+| TTFT, the same image after another system prompt | {med['embedded']:.1f} | {med['cold']:.1f} (hyla, new image) | {med['embedded'] / med['cold']:.2f}x |
 
 The cached turn decodes and preprocesses the image again (its digest is its cache key) but runs neither the
-tower nor the prefill of the system prompt and the image."""
+tower nor the prefill of the system prompt and the image. After another system prompt the prefix cache serves
+nothing, and the embedding cache (`mm_embedding_cache_mb`) serves the tower's output: that turn prefills the whole
+prompt but runs no tower."""
     print(body)
     if not args.no_write:
         write_section(SECTION, body)

@@ -261,7 +261,7 @@ def test_images_measure_each_stage_against_transformers():
     against its peer."""
     out = _run("benchmarks/images.py", "--tiny", "--no-write", "--repeats", "1", "--size", "64")
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "measurement" not in line]
-    assert len(rows) == 4 and all(float(r[2]) > 0 for r in rows)
+    assert len(rows) == 5 and all(float(r[2]) > 0 for r in rows)
 
 
 def test_tool_call_stream_times_the_stream_against_the_whole_parse():
