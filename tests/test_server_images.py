@@ -175,6 +175,16 @@ def test_responses_and_messages_take_images(server, client):
                                      {"type": "input_image", "image_url": url}]}]}).json()
     assert counted["input_tokens"] == chat.usage.prompt_tokens
     media, data = url.removeprefix("data:").split(";base64,")
+    # input_tokens reads each image's header alone: a PNG cut short after it is counted, and refused when sent
+    half = "data:image/png;base64," + base64.b64encode(base64.b64decode(data)[:len(data) // 3]).decode()
+    cut_input = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                              {"type": "input_image", "image_url": half}]}]
+    counted = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60,
+                         json={"model": MODEL, "input": cut_input}).json()
+    assert counted["input_tokens"] == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, max_output_tokens=6, input=cut_input)
+    assert "cannot be decoded" in err.value.body["message"]
     message = {"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                            {"type": "image", "source": {"type": "base64", "media_type": media,
                                                                         "data": data}}]}
@@ -253,6 +263,17 @@ def test_token_counts_agree_and_truncation_counts_images(server, client):
     assert response.output_text and response.usage.input_tokens + response.usage.output_tokens <= CONTEXT
     with pytest.raises(openai.BadRequestError):  # (without truncation: the context is exceeded)
         client.responses.create(model=MODEL, input=turns, max_output_tokens=4)
+    # images whose tokens alone fill the context, more of them than a prompt may hold (--limit-mm-per-prompt 6):
+    # truncation keeps the turns that fit, and input_tokens counts what the response feeds
+    many = []
+    for i in range(11):
+        many += [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(30 + i, 64, 64)}]},
+                 {"role": "assistant", "content": f"seen {i}"}]
+    many.append({"role": "user", "content": "and?"})
+    response = client.responses.create(model=MODEL, input=many, max_output_tokens=4, truncation="auto")
+    counted = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60, json={
+        "model": MODEL, "input": many, "max_output_tokens": 4, "truncation": "auto"}).json()
+    assert counted["input_tokens"] == response.usage.input_tokens and response.output_text
 
 
 def test_a_request_overrides_its_images_preprocessing(server, client):

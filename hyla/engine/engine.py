@@ -1003,18 +1003,21 @@ class Engine:
         (``image_data``) as ``generate`` refuses the images."""
         return self._expand_images(list(input_ids), list(image_data))[0]
 
-    def count_image_tokens(self, sources: Sequence[Any], mm_processor_kwargs: dict[str, int] | None = None) -> list[int]:
+    def count_image_tokens(self, sources: Sequence[Any], mm_processor_kwargs: dict[str, int] | None = None, *,
+                           one_prompt: bool = True) -> list[int]:
         """Each image's token count as :meth:`process_images` gives it, from its header alone (no pixel decoded):
         what counting a prompt's tokens needs. ``RequestError`` as ``process_images`` refuses (images that fill the
-        context too), but for pixel data that is corrupt, which only decoding finds."""
-        self.check_image_count(len(sources))
+        context too), but for pixel data that is corrupt, which only decoding finds. ``one_prompt=False``: images
+        of which a prompt will keep some (a conversation to truncate): neither their number nor their tokens
+        together are refused, only an image that fills the context alone."""
+        self.check_image_count(len(sources)) if one_prompt else self._check_takes_images()
         config, count = self._image_config(mm_processor_kwargs), self._image_budget()
         out = []
         try:
             for src in sources:
                 out.append(src.num_tokens if isinstance(src, ProcessedImage)
                            else image_tokens(*open_image(src).size, config))
-                count(out[-1])
+                (count if one_prompt else self._image_budget())(out[-1])  # (together, or each alone)
         except ValueError as exc:
             raise RequestError(f"image_data: {exc}", "image_data") from None
         return out

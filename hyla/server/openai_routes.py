@@ -423,7 +423,7 @@ async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage],
     ``image_data``; ``processor_kwargs``: the request's ``mm_processor_kwargs``); None without any. A 400
     naming ``messages`` for one that cannot be fetched or read, more than ``--limit-mm-per-prompt``, or where
     the model takes none; naming ``mm_processor_kwargs`` for an override the engine does not take."""
-    sources = await _image_sources(server, engine, chat)
+    sources = await image_sources(server, engine, chat)
     if sources is None:
         from hyla.model.image_processing import check_processor_kwargs
 
@@ -432,7 +432,7 @@ async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage],
         except ValueError as exc:
             raise APIError(400, str(exc), param="mm_processor_kwargs") from None
         return None
-    return await _on_images(engine.process_images, sources, processor_kwargs)
+    return await on_images(engine.process_images, sources, processor_kwargs)
 
 
 async def chat_image_tokens(server: Server, engine: Engine, chat: list[ChatMessage],
@@ -440,32 +440,35 @@ async def chat_image_tokens(server: Server, engine: Engine, chat: list[ChatMessa
     """The tokens the chat's images add to its rendered prompt (one placeholder each), as :func:`chat_images`
     and :func:`image_tokens` count them, read from each image's header (``Engine.count_image_tokens``: no
     pixel decoded): what a count of the prompt needs. 400s as ``chat_images``'."""
-    sources = await _image_sources(server, engine, chat)
+    sources = await image_sources(server, engine, chat)
     if sources is None:
         return 0
-    return sum(n - 1 for n in await _on_images(engine.count_image_tokens, sources, processor_kwargs))
+    return sum(n - 1 for n in await on_images(engine.count_image_tokens, sources, processor_kwargs))
 
 
-async def _image_sources(server: Server, engine: Engine, chat: list[ChatMessage]) -> list[Any] | None:
+async def image_sources(server: Server, engine: Engine, chat: list[ChatMessage],
+                        one_prompt: bool = True) -> list[Any] | None:
     """The chat's images as ``Engine.process_images`` takes them (http(s) URLs fetched: their bytes), None
-    without any; checked against the model and ``--limit-mm-per-prompt`` before anything is fetched."""
+    without any; checked against the model and (``one_prompt``: all of them in the prompt, not a conversation
+    to truncate) ``--limit-mm-per-prompt`` before anything is fetched."""
     urls = chat_image_urls(chat)
     if not urls:
         return None
     check_takes_images(engine, chat)  # (before fetching anything)
     try:
-        engine.check_image_count(len(urls))
+        if one_prompt:
+            engine.check_image_count(len(urls))
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     fetched = iter(await server.media.fetch_all([u for u in urls if is_fetched(u)], "messages"))
     return [next(fetched) if is_fetched(u) else u for u in urls]
 
 
-async def _on_images(method: Any, sources: list[Any], processor_kwargs: dict[str, Any] | None) -> Any:
-    """``method(sources, processor_kwargs)`` on a worker thread, its ``ValueError`` a 400 naming
-    ``mm_processor_kwargs`` or ``messages``."""
+async def on_images(method: Any, sources: list[Any], processor_kwargs: dict[str, Any] | None, **kw: Any) -> Any:
+    """``method(sources, processor_kwargs, **kw)`` on a worker thread (``Engine.process_images``,
+    ``count_image_tokens``), its ``ValueError`` a 400 naming ``mm_processor_kwargs`` or ``messages``."""
     try:
-        return await asyncio.to_thread(method, sources, processor_kwargs)
+        return await asyncio.to_thread(method, sources, processor_kwargs, **kw)
     except ValueError as exc:
         param = "mm_processor_kwargs" if getattr(exc, "param", None) == "mm_processor_kwargs" else "messages"
         raise APIError(400, str(exc), param=param) from None

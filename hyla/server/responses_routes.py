@@ -51,9 +51,9 @@ from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer, sse_stream
 from hyla.server.lru_store import LRUStore
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_image_urls,
-                                      chat_images, chat_logprobs, choice_logprobs, forced_tool_grammar, image_tokens,
-                                      kept_markers, opens_thinking, output_budget, render_chat, split_answer,
-                                      thinking_first)
+                                      chat_logprobs, choice_logprobs, forced_tool_grammar, image_sources,
+                                      kept_markers, on_images, opens_thinking, output_budget, render_chat,
+                                      split_answer, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   FieldError, cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -436,12 +436,13 @@ class _Prompt:
     encoding: ChatEncoding
     max_new: int  # the engine's max_new_tokens
     grammar: dict[str, Any]  # a forced call's grammar, kept markers (sampling params)
-    images: list[Any] | None = None  # the conversation's images, processed (Engine.process_images); None: none
+    images: list[Any] | None = None  # the prompt's images, processed (Engine.process_images); None: none (or counted only)
+    image_tokens: int = 0  # the tokens its images add beyond their placeholders
 
     @property
     def num_tokens(self) -> int:
         """The prompt's tokens as the engine counts them: its images' included."""
-        return len(self.encoding.ids) + image_tokens(self.images)
+        return len(self.encoding.ids) + self.image_tokens
 
 
 class ResponsesRoutes:
@@ -529,7 +530,8 @@ class ResponsesRoutes:
         """OpenAI's ``POST /v1/responses/input_tokens``: the prompt tokens ``POST /v1/responses`` would feed
         the engine for this body (the same checks, the same rendering: ``prompt``); nothing generated or
         stored. ``model`` left out is the served model."""
-        prompt = await self.prompt(body.model_copy(update={"model": body.model or self.server.model_name}))
+        prompt = await self.prompt(body.model_copy(update={"model": body.model or self.server.model_name}),
+                                   count_only=True)  # (its images counted from their headers, none decoded)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": prompt.num_tokens})
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
@@ -565,11 +567,12 @@ class ResponsesRoutes:
         turn.keep(kept)
         return await json_answer(lambda: out)
 
-    async def prompt(self, body: ResponsesRequest) -> _Prompt:
+    async def prompt(self, body: ResponsesRequest, count_only: bool = False) -> _Prompt:
         """The turn ``body`` asks for, rendered as a chat completion's prompt: the stored conversation of
         ``previous_response_id`` (a 400 naming it where none is stored), then the input items (references
         resolved, no item twice: ``check_duplicates``), ``instructions`` first; each rule broken a 400
-        naming the Responses field."""
+        naming the Responses field. Its images are counted from their headers (``truncation: "auto"`` drops
+        turns by those counts), then those the prompt keeps processed, unless ``count_only``."""
         engine = admit_chat(self.server, body.model)
         history: list[dict[str, Any]] = []
         chain: list[dict[str, Any]] = []
@@ -598,19 +601,29 @@ class ResponsesRoutes:
         chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
             encoding = await self._render(engine, chat)
-            images = await chat_images(self.server, engine, chat.messages)
-            if body.truncation == "auto":  # (the images' tokens counted: each URL's, processed once)
-                by_url = dict(zip(chat_image_urls(chat.messages), images or ()))
+            truncating = body.truncation == "auto"
+            # each image URL fetched once and counted from its header (what truncation weighs turns by), then those
+            # the prompt keeps processed
+            sources = await image_sources(self.server, engine, chat.messages, one_prompt=not truncating) or []
+            counts = await on_images(engine.count_image_tokens, sources, None, one_prompt=not truncating) \
+                if sources else []
+            by_url = dict(zip(chat_image_urls(chat.messages), zip(sources, counts)))
+            if truncating:
                 chat, encoding = await self._truncated(body, engine, conversation, chat, encoding,
-                                                       {url: image_tokens([image]) for url, image in by_url.items()})
-                images = [by_url[url] for url in chat_image_urls(chat.messages)] or None
-            max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_output_tokens,
+                                                       {url: n - 1 for url, (_, n) in by_url.items()})
+            kept = [by_url[url] for url in chat_image_urls(chat.messages)]
+            images, extra = None, sum(n - 1 for _, n in kept)
+            if kept and not count_only:
+                images = await on_images(engine.process_images, [src for src, _ in kept], None)
+            elif kept and truncating:  # (as process_images would: the kept images' number and tokens together)
+                await on_images(engine.count_image_tokens, [src for src, _ in kept], None)
+            max_new = output_budget(engine, len(encoding.ids) + extra, body.max_output_tokens,
                                     "max_output_tokens", "input")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
         return _Prompt(engine, chat, conversation, chain + [listed_item(item) for item in items], len(chain), encoding,
-                       max_new, grammar, images)
+                       max_new, grammar, images, extra)
 
     async def _render(self, engine: Engine, chat: ChatCompletionRequest) -> ChatEncoding:
         return await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
