@@ -74,10 +74,12 @@ class ImageHost:
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
-        routes = self.routes
+        self.hits: dict[str, int] = {}  # requests per path
+        routes, hits = self.routes, self.hits
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                hits[self.path] = hits.get(self.path, 0) + 1
                 status, headers, body = routes.get(self.path, (404, {}, b"missing"))
                 self.send_response(status)
                 for k, v in {"Content-Length": str(len(body)), **headers}.items():
@@ -226,6 +228,10 @@ def test_image_urls_of_allowed_hosts_are_fetched(client, image_host):
                                               max_tokens=4, temperature=0, logprobs=True)
 
     by_data = ask(url)
+    image_host.routes["/twice.png"] = image_host.routes["/cat.png"]
+    twice = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        image_message("Two?", image_host.url + "/twice.png", image_host.url + "/twice.png")])
+    assert twice.usage.prompt_tokens > by_data.usage.prompt_tokens and image_host.hits["/twice.png"] == 1  # (once)
     for path in ("/cat.png", "/moved"):  # (a redirect within the listed host is followed)
         fetched = ask(image_host.url + path)
         assert fetched.choices[0].message.content == by_data.choices[0].message.content
@@ -263,17 +269,27 @@ def test_token_counts_agree_and_truncation_counts_images(server, client):
     assert response.output_text and response.usage.input_tokens + response.usage.output_tokens <= CONTEXT
     with pytest.raises(openai.BadRequestError):  # (without truncation: the context is exceeded)
         client.responses.create(model=MODEL, input=turns, max_output_tokens=4)
-    # images whose tokens alone fill the context, more of them than a prompt may hold (--limit-mm-per-prompt 6):
-    # truncation keeps the turns that fit, and input_tokens counts what the response feeds
-    many = []
-    for i in range(11):
-        many += [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(30 + i, 64, 64)}]},
-                 {"role": "assistant", "content": f"seen {i}"}]
-    many.append({"role": "user", "content": "and?"})
-    response = client.responses.create(model=MODEL, input=many, max_output_tokens=4, truncation="auto")
+    # truncation weighs turns by their images' headers and decodes only the kept turns' images: the oldest turn's
+    # image, cut short after its header, goes with its turn; input_tokens counts what the response feeds
+    good = data_url(30, 64, 64)
+    raw = base64.b64decode(good.split(",")[1])
+    cut = "data:image/png;base64," + base64.b64encode(raw[:len(raw) // 3]).decode()
+    turns = [{"role": "user", "content": [{"type": "input_text", "text": "an old turn " * 20},
+                                          {"type": "input_image", "image_url": cut}]},
+             {"role": "assistant", "content": "old"}]
+    for i in range(4):
+        turns += [{"role": "user", "content": [{"type": "input_text", "text": f"look {i}"},
+                                               {"type": "input_image", "image_url": data_url(31 + i, 64, 64)}]},
+                  {"role": "assistant", "content": f"seen {i}"}]
+    turns.append({"role": "user", "content": "and?"})
+    with pytest.raises(openai.BadRequestError) as err:  # (whole: over the context)
+        client.responses.create(model=MODEL, input=turns, max_output_tokens=4)
+    assert "context" in err.value.body["message"] or "cannot be decoded" in err.value.body["message"]
+    response = client.responses.create(model=MODEL, input=turns, max_output_tokens=4, truncation="auto")
     counted = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60, json={
-        "model": MODEL, "input": many, "max_output_tokens": 4, "truncation": "auto"}).json()
+        "model": MODEL, "input": turns, "max_output_tokens": 4, "truncation": "auto"}).json()
     assert counted["input_tokens"] == response.usage.input_tokens and response.output_text
+    assert response.usage.input_tokens > 4 * 16  # (the four good images kept)
 
 
 def test_a_request_overrides_its_images_preprocessing(server, client):
@@ -335,7 +351,7 @@ def test_disaggregated_prompts_with_images_answer_as_one_worker_does(tiny_ckpt_d
     """Behind ``hyla route --prefill-urls``, a chat with an image moves as any prompt: the prefill worker runs the
     tower and computes it, the decode worker imports the prefix (keyed by the image's digest) and hits all of it
     but its last token, running no tower; the answer (tokens and logprobs) is the decode worker's computing the
-    prompt itself. The next turn, with another image, moves its new part."""
+    prompt itself. The next turn, with another image, moves too."""
     from hyla.router.app import create_router_app
     from test_router import _Uvicorn, _counts
 

@@ -616,8 +616,9 @@ class Engine:
             raise RequestError("input_ids must be a list of token ids", "input_ids")
         ids = [_token_id(t, vocab) for t in input_ids]
         _check_logprob_start(logprob_start_len, len(ids))
-        if image_data is not None:
-            sources = list(image_data) if isinstance(image_data, (list, tuple)) else [image_data]
+        sources = [] if image_data is None else list(image_data) if isinstance(image_data, (list, tuple)) \
+            else [image_data]
+        if sources:  # (none: the prompt as text, as generate takes image_data=[])
             self.check_image_count(len(sources))
             expanded, images = self._expand_images(ids, sources)
             ids = images.key_ids(expanded)
@@ -1008,9 +1009,9 @@ class Engine:
         """Each image's token count as :meth:`process_images` gives it, from its header alone (no pixel decoded):
         what counting a prompt's tokens needs. ``RequestError`` as ``process_images`` refuses (images that fill the
         context too), but for pixel data that is corrupt, which only decoding finds. ``one_prompt=False``: images
-        of which a prompt will keep some (a conversation to truncate): neither their number nor their tokens
-        together are refused, only an image that fills the context alone."""
-        self.check_image_count(len(sources)) if one_prompt else self._check_takes_images()
+        of which a prompt will keep some (a conversation to truncate): their tokens together are not refused,
+        only an image that fills the context alone (and more images than ``limit_mm_per_prompt``)."""
+        self.check_image_count(len(sources))
         config, count = self._image_config(mm_processor_kwargs), self._image_budget()
         out = []
         try:

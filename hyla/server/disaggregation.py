@@ -33,7 +33,8 @@ is, not on the router's picture of it.
 A prompt with images moves as any other: each worker reads the request's images (an image URL is fetched by
 both: each must list its host), the prefill worker runs the vision tower and computes the prompt, and the prefix
 it answers is keyed as the decode worker's cache keys the prompt (each image's tokens named by its digest:
-``Req.fill_keys``), so the decode worker's request hits it and runs no tower.
+``Req.fill_keys``), so the decode worker's request hits it and runs no tower for the images it covers (a prefix
+cut on a page or checkpoint grid over 1 may end inside the last image, which the decode worker embeds).
 
 A request with a LoRA adapter (its ``model`` an adapter's name, ``Job.lora_name``) moves as any other: the
 prefill worker computes its prompt with the adapter, and the prefix it answers is in the adapter's cache

@@ -51,8 +51,10 @@ class MediaFetcher:
         return any(d == "*" or host == d or host.endswith("." + d) for d in self.allowed_domains)
 
     async def fetch_all(self, urls: Sequence[str], param: str) -> list[bytes]:
-        """Each URL's bytes, fetched at once; the first failure a 400 naming ``param``."""
-        return list(await asyncio.gather(*(self.fetch(url, param) for url in urls)))
+        """Each URL's bytes, fetched at once (a URL given twice, once); the first failure a 400 naming ``param``."""
+        distinct = list(dict.fromkeys(urls))
+        found = dict(zip(distinct, await asyncio.gather(*(self.fetch(url, param) for url in distinct))))
+        return [found[url] for url in urls]
 
     async def fetch(self, url: str, param: str) -> bytes:
         """The bytes at ``url`` (redirects followed, each checked); a 400 naming ``param`` for any failure."""

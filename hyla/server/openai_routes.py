@@ -446,18 +446,16 @@ async def chat_image_tokens(server: Server, engine: Engine, chat: list[ChatMessa
     return sum(n - 1 for n in await on_images(engine.count_image_tokens, sources, processor_kwargs))
 
 
-async def image_sources(server: Server, engine: Engine, chat: list[ChatMessage],
-                        one_prompt: bool = True) -> list[Any] | None:
-    """The chat's images as ``Engine.process_images`` takes them (http(s) URLs fetched: their bytes), None
-    without any; checked against the model and (``one_prompt``: all of them in the prompt, not a conversation
-    to truncate) ``--limit-mm-per-prompt`` before anything is fetched."""
+async def image_sources(server: Server, engine: Engine, chat: list[ChatMessage]) -> list[Any] | None:
+    """The chat's images as ``Engine.process_images`` takes them (http(s) URLs fetched, each once: their bytes),
+    None without any; checked against the model and ``--limit-mm-per-prompt`` before anything is fetched (a
+    conversation that truncation may cut too: the limit bounds what a request has the server fetch)."""
     urls = chat_image_urls(chat)
     if not urls:
         return None
     check_takes_images(engine, chat)  # (before fetching anything)
     try:
-        if one_prompt:
-            engine.check_image_count(len(urls))
+        engine.check_image_count(len(urls))
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     fetched = iter(await server.media.fetch_all([u for u in urls if is_fetched(u)], "messages"))

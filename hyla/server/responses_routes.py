@@ -604,7 +604,7 @@ class ResponsesRoutes:
             truncating = body.truncation == "auto"
             # each image URL fetched once and counted from its header (what truncation weighs turns by), then those
             # the prompt keeps processed
-            sources = await image_sources(self.server, engine, chat.messages, one_prompt=not truncating) or []
+            sources = await image_sources(self.server, engine, chat.messages) or []
             counts = await on_images(engine.count_image_tokens, sources, None, one_prompt=not truncating) \
                 if sources else []
             by_url = dict(zip(chat_image_urls(chat.messages), zip(sources, counts)))
