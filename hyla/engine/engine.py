@@ -622,7 +622,7 @@ class Engine:
             self.check_image_count(len(sources))
             expanded, images = self._expand_images(ids, sources)
             ids = images.key_ids(expanded)
-            logprob_start_len = images.expanded(logprob_start_len) if logprob_start_len > 0 else logprob_start_len
+            logprob_start_len = images.expanded(logprob_start_len)  # (-1 and 0 stay as they are)
         return ids, new_request_match_limit(len(ids), logprob_start_len) if ids else 0
 
     def cached_tokens(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
