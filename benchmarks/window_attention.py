@@ -103,7 +103,7 @@ def main() -> None:
     for pair in args.extends.split(","):
         p, e = (int(x) for x in pair.split("+"))
         ours, whole = extend_case(p, e, w, args.repeats)
-        rows.append(f"| extend of {e:,} after {p:,} | {ours:.1f} | {whole:.1f} | {whole / ours:.1f}x |")
+        rows.append(f"| extend of {e:,} after {p:,} | {ours:.2f} | {whole:.2f} | {whole / ours:.1f}x |")
         print(rows[-1], flush=True)
     if not args.no_write:
         write_section("Sliding-window attention on the CPU", f"""`benchmarks/window_attention.py` — {machine()}; \
