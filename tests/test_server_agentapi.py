@@ -239,7 +239,8 @@ def _json_block(parser, name_json: str, args_json: str) -> str:
 def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
     """The whitespace around calls is layout, the same rule whole and streamed: the content deltas
     joined are ``parse``'s content, and the calls its calls, at every cut (text before, after and
-    between calls, a malformed block, a call cut off by the length limit or by a stop string)."""
+    between calls, a malformed block, a call cut off by the length limit or by a stop string). In order
+    (``feed_in_order``), the stream's texts and calls are ``in_order``'s, at every cut."""
     from hyla.server.tool_calls import ToolCallParser
     parser = ToolCallParser(name)
     call, bad = _call_block(parser), f"{parser.start}bad{parser.end}"
@@ -265,6 +266,17 @@ def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
                 out, got = out + delta, got + new
             assert (out, [(c.name, c.arguments) for c in got]) == (whole, [(c.name, c.arguments) for c in calls]), \
                 pieces
+            stream, order = parser.stream(), []
+            for i, piece in enumerate(pieces):
+                for p in stream.feed_in_order(piece, final=i == len(pieces) - 1):
+                    if isinstance(p, str) and order and isinstance(order[-1], str):
+                        order[-1] += p
+                    elif isinstance(p, str) or p.name is not None:
+                        order.append(p if isinstance(p, str) else p.index)
+            in_order = parser.in_order(text)
+            assert "".join(p for p in in_order if isinstance(p, str)) == whole
+            assert [p if isinstance(p, str) else (p.name, p.arguments) for p in in_order] == \
+                [p if isinstance(p, str) else (stream.calls[p].name, stream.calls[p].arguments) for p in order], pieces
 
 
 @pytest.mark.parametrize("name", SYNTAXES)

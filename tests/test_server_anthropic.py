@@ -11,7 +11,7 @@ import pytest
 
 from hyla.server.app import create_app
 from hyla.server.launch import BackgroundServer
-from test_server_agentapi import SCRIPTED, script_engine
+from test_server_agentapi import SCRIPTED, SCRIPTED_CALL, script_engine
 from test_server_openai import MODEL, client, engine, make_chat_model, server  # noqa: F401  (fixtures)
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
@@ -94,6 +94,29 @@ def test_thinking_text_and_calls_whole_and_streamed(server, claude, engine, monk
     assert [b.id for b in whole.content[2:]] != [b.id for b in streamed.content[2:]]  # (each call its own id)
     deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
     assert deltas.count("input_json_delta") >= 3 and "thinking_delta" in deltas and "text_delta" in deltas
+
+
+def test_text_between_and_after_calls_is_in_its_own_blocks_whole_and_streamed(claude, engine, monkeypatch):
+    """Text before, between and after two calls: a text block for each run, in the output's order, the same
+    whole and streamed (cut anywhere, here in and around the markers); the text after a call without its
+    leading whitespace, whitespace alone no block. The calls' order among the texts is the output's."""
+    call = "<tool_call>\n" + SCRIPTED_CALL + "\n</tool_call>"
+    text = "Let me check.\n\n" + call + "\n\nAnd Oslo too. " + call.replace("Paris", "Oslo") + "\n \nDone for now.\n"
+    for cut in (3, 7, len(text)):
+        script_engine(monkeypatch, engine, [text[i:i + cut] for i in range(0, len(text), cut)])
+        whole = claude.messages.create(model=MODEL, max_tokens=64, messages=USER, tools=[WEATHER])
+        with claude.messages.stream(model=MODEL, max_tokens=64, messages=USER, tools=[WEATHER]) as stream:
+            streamed = stream.get_final_message()
+        for message in (whole, streamed):
+            assert [b.type for b in message.content] == ["text", "tool_use", "text", "tool_use", "text"], cut
+            assert [b.text for b in message.content if b.type == "text"] == ["Let me check.", "And Oslo too.",
+                                                                              "Done for now."], cut
+            assert [b.input["city"] for b in message.content if b.type == "tool_use"] == \
+                ['Paris "Rive Gauche" é', 'Oslo "Rive Gauche" é']
+            assert message.stop_reason == "tool_use"
+    script_engine(monkeypatch, engine, [call, " \n "])  # (a call, then whitespace alone: no text block)
+    assert [b.type for b in claude.messages.create(model=MODEL, max_tokens=64, messages=USER,
+                                                   tools=[WEATHER]).content] == ["tool_use"]
 
 
 def test_a_conversation_with_calls_renders_as_the_chat_it_is(claude, client):

@@ -207,22 +207,24 @@ def test_a_call_streams_its_arguments_as_they_are_written(server, client, engine
     assert final.output[1].arguments == full["output"][1]["arguments"] and final.output_text == "Checking."
 
 
-def test_text_after_a_call_is_a_second_message_when_streamed(server, client, engine, monkeypatch):
-    """Text the model writes after a call began cannot go in the message, which was done when the call
-    began: it is held to the end and sent as a second message after the calls, which the final and the
-    stored response hold too (the whole response has one message, the texts joined)."""
+def test_text_after_a_call_is_a_second_message(server, client, engine, monkeypatch):
+    """Text the model writes after a call began cannot go in the message, which a stream finished when the
+    call began: it is held to the end and sent as a second message after the calls, which the final and the
+    stored response hold too, and so does the whole response (the same items as the stream's)."""
     script_engine(monkeypatch, engine, ["Let me check.\n<tool_call>\n", SCRIPTED_CALL, "\n</tool_call>\n",
                                         "Done", " for now."])
     body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
     full = _post(server, body).json()
-    assert [o["type"] for o in full["output"]] == ["message", "function_call"]
-    assert full["output"][0]["content"][0]["text"] == "Let me check.\n\nDone for now."
+    assert [o["type"] for o in full["output"]] == ["message", "function_call", "message"]
+    assert [o["content"][0]["text"] for o in full["output"] if o["type"] == "message"] == ["Let me check.",
+                                                                                            "Done for now."]
     data = [d for _, d in _stream_events(server, body)]
     final = data[-1]["response"]
     assert [o["type"] for o in final["output"]] == ["message", "function_call", "message"]
     assert [o["content"][0]["text"] for o in final["output"] if o["type"] == "message"] == ["Let me check.",
                                                                                              "Done for now."]
     assert final["output"][2]["id"] == final["output"][0]["id"] + "_1"
+    assert _without_ids(final) == _without_ids(full)
     texts: dict[int, str] = {}
     for d in data:
         if d["type"] == "response.output_text.delta":
@@ -232,6 +234,12 @@ def test_text_after_a_call_is_a_second_message_when_streamed(server, client, eng
     assert httpx.get(f"{server.url}/v1/responses/{final['id']}", timeout=30).json()["output"] == final["output"]
     with client.responses.stream(model=MODEL, **body) as helper:
         assert helper.get_final_response().output_text == "Let me check.Done for now."
+    # the whole answer in one chunk (several tokens a step, as speculative decoding sends them): the same items
+    script_engine(monkeypatch, engine, ["Let me check.\n<tool_call>\n" + SCRIPTED_CALL + "\n</tool_call>\nDone for now."])
+    data = [d for _, d in _stream_events(server, body)]
+    assert _without_ids(data[-1]["response"])["output"] == _without_ids(full)["output"]
+    assert [(d["output_index"], d["delta"]) for d in data if d["type"] == "response.output_text.delta"] == \
+        [(0, "Let me check."), (2, "Done for now.")]
 
 
 def test_a_call_cut_off_in_its_arguments_stays_a_call_when_streamed(server, engine, monkeypatch):
@@ -254,16 +262,15 @@ def test_a_call_cut_off_in_its_arguments_stays_a_call_when_streamed(server, engi
 
 def test_the_item_an_output_was_cut_off_in_is_the_incomplete_one(server, engine, monkeypatch):
     """Cut off by ``max_output_tokens`` after a whole call, in text: the message holding that text is
-    incomplete, the call completed (whole, one message; streamed, the second message)."""
+    incomplete, the call completed (the message after the call, whole and streamed)."""
     script_engine(monkeypatch, engine, ["<tool_call>\n" + SCRIPTED_CALL + "\n</tool_call>\n", "Done so"],
                   finish="length")
     body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
     full = _post(server, body).json()
-    assert [(o["type"], o["status"]) for o in full["output"]] == [("message", "incomplete"),
-                                                                  ("function_call", "completed")]
     final = _stream_events(server, body)[-1][1]["response"]
-    assert [(o["type"], o["status"]) for o in final["output"]] == [("function_call", "completed"),
-                                                                   ("message", "incomplete")]
+    for response in (full, final):
+        assert [(o["type"], o["status"]) for o in response["output"]] == [("function_call", "completed"),
+                                                                          ("message", "incomplete")]
 
 
 def test_without_parallel_tool_calls_a_stream_sends_the_first_call_alone(server, engine, monkeypatch):

@@ -34,7 +34,7 @@ from hyla.server.generation import Generation, Job, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat,
                                        chat_image_tokens, chat_images, final_text, forced_tool_grammar, image_tokens,
                                        job_rids, kept_markers, opens_thinking, output_budget, render_chat,
-                                       split_answer, thinking_first)
+                                       answer_in_order, thinking_first)
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.tokenizer.tokenizer import ChatEncoding
 
@@ -151,14 +151,22 @@ class _Turn:
         self.in_thinking, self.prompt_tokens = in_thinking, prompt_tokens
 
     def message(self, output: str, meta: dict[str, Any]) -> dict[str, Any]:
-        """The whole answer: a ``thinking`` block (with ``--reasoning-parser``), a ``text`` block, a ``tool_use``
-        block per call."""
-        thoughts, text, calls = split_answer(self.server, self.chat, output, self.in_thinking)
+        """The whole answer: a ``thinking`` block (with ``--reasoning-parser``), then a ``text`` block for each
+        run of text and a ``tool_use`` block for each call, in the output's order (as its stream sends them:
+        a text after a call without its leading whitespace, whitespace alone no block)."""
+        thoughts, pieces = answer_in_order(self.server, self.chat, output, self.in_thinking)
         content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thoughts, "signature": ""}] \
             if thoughts else []
-        content += [{"type": "text", "text": text}] if text.strip() else []
-        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)} for c in calls]
-        reason, sequence = stop_reason(meta.get("finish_reason"), bool(calls))
+        called = False
+        for piece in pieces:
+            if isinstance(piece, str):
+                text = piece.lstrip() if called else piece
+                content += [{"type": "text", "text": text}] if text.strip() else []
+            else:
+                called = True
+                content.append({"type": "tool_use", "id": piece.id, "name": piece.name,
+                                "input": tool_input(piece.arguments)})
+        reason, sequence = stop_reason(meta.get("finish_reason"), called)
         return self._skeleton(content, reason, sequence, usage(meta))
 
     def _skeleton(self, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
@@ -182,23 +190,29 @@ class _Turn:
         blocks = _Blocks()
         pending = ""
         choice = gen.choices[0]
+        called = False  # (a call's block has opened)
         async for choice, chunk in gen.events():
-            thought, text, deltas = answer.feed(chunk["text"], final=choice.finish_reason is not None)
+            thought, pieces = answer.feed_in_order(chunk["text"], final=choice.finish_reason is not None)
             if thought:
                 for line in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
                     yield line
-            pending += text  # (whitespace before the text's first character is held: a block opens for text)
-            if pending.strip() or (pending and blocks.kind == "text"):
-                for line in blocks.delta("text", {"type": "text_delta", "text": pending}):
-                    yield line
-                pending = ""
-            for d in deltas:
-                if d.name is not None:
-                    for line in blocks.open(("tool_use", d.index), {"type": "tool_use", "id": d.id, "name": d.name,
-                                                                    "input": {}}):
+            for piece in pieces:  # (in the output's order: a chunk may hold text after a call)
+                if isinstance(piece, str):
+                    pending += piece  # (whitespace before the text's first character is held: a block opens for text)
+                    if blocks.kind != "text" and called:  # (a text after a call: its leading whitespace is layout)
+                        pending = pending.lstrip()
+                    if pending.strip() or (pending and blocks.kind == "text"):
+                        for line in blocks.delta("text", {"type": "text_delta", "text": pending}):
+                            yield line
+                        pending = ""
+                    continue
+                if piece.name is not None:
+                    called = True
+                    for line in blocks.open(("tool_use", piece.index), {"type": "tool_use", "id": piece.id,
+                                                                        "name": piece.name, "input": {}}):
                         yield line
-                if d.arguments:
-                    yield blocks.event({"type": "input_json_delta", "partial_json": d.arguments})
+                if piece.arguments:
+                    yield blocks.event({"type": "input_json_delta", "partial_json": piece.arguments})
         for line in blocks.close():
             yield line
         reason, sequence = stop_reason(choice.finish_reason, bool(answer.calls))

@@ -31,6 +31,7 @@ from hyla.server.protocol import (
     is_fetched,
     cache_namespace, text_chars,
 )
+from hyla.server.tool_calls import ToolCall
 from hyla.engine.engine import Engine
 from hyla.engine.grammar import GRAMMAR_KINDS
 from hyla.tokenizer import REPLACEMENT_CHAR, ChatEncoding, Tokenizer, TokenText
@@ -38,7 +39,6 @@ from hyla.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
-    from hyla.server.tool_calls import ToolCall
     from hyla.model.image_processing import ProcessedImage
     from hyla.server.tool_call_stream import ToolCallDelta
 
@@ -355,17 +355,34 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
 
 def split_answer(server: Server, chat: ChatCompletionRequest, output: str,
                  in_thinking: bool) -> tuple[str | None, str, list[ToolCall]]:
-    """``(reasoning or None, content, calls)`` of a whole chat answer: the reasoning parser's split (the
-    answer starts inside a think block where ``in_thinking``: ``opens_thinking``), then, unless the chat's
-    ``tool_choice`` is none, the calls in the content (the first alone without ``parallel_tool_calls``).
-    What a chat completion, a Responses turn and an Anthropic message make of their output."""
+    """``(reasoning or None, content, calls)`` of a whole chat answer (``answer_in_order``'s pieces: the
+    content joined, the calls). What a chat completion makes of its output."""
+    thoughts, pieces = answer_in_order(server, chat, output, in_thinking)
+    return (thoughts, "".join(p for p in pieces if isinstance(p, str)),
+            [p for p in pieces if isinstance(p, ToolCall)])
+
+
+def answer_in_order(server: Server, chat: ChatCompletionRequest, output: str,
+                    in_thinking: bool) -> tuple[str | None, list[str | ToolCall]]:
+    """``(reasoning or None, pieces)`` of a whole chat answer: the reasoning parser's split (the answer
+    starts inside a think block where ``in_thinking``: ``opens_thinking``), then, unless the chat's
+    ``tool_choice`` is none, the content and the calls in it in their order (``ToolCallParser.in_order``:
+    each run of content one string; the first call alone without ``parallel_tool_calls``, the content
+    around a dropped one joined). What a chat completion, a Responses turn and an Anthropic message make
+    of their output."""
     reasoning = server.reasoning_parser
     thoughts, text = reasoning.parse(output, in_thinking) if reasoning is not None else (None, output)
-    calls: list[ToolCall] = []
-    if chat.tool_choice_mode() != "none":
-        text, calls = server.tool_call_parser.parse(text, chat.template_tools())
-        calls = calls if chat.parallel_tool_calls else calls[:1]
-    return thoughts, text, calls
+    if chat.tool_choice_mode() == "none":
+        return thoughts, [text] if text else []
+    pieces: list[str | ToolCall] = []
+    for piece in server.tool_call_parser.in_order(text, chat.template_tools()):
+        if isinstance(piece, ToolCall) and not chat.parallel_tool_calls and any(isinstance(p, ToolCall) for p in pieces):
+            continue
+        if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
+            pieces[-1] += piece
+        else:
+            pieces.append(piece)
+    return thoughts, pieces
 
 
 class AnswerStream:
@@ -384,15 +401,21 @@ class AnswerStream:
         self.parallel = chat.parallel_tool_calls
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """The next chunk's ``(reasoning, content, call deltas)``."""
+        thought, pieces = self.feed_in_order(text, final)
+        return (thought, "".join(p for p in pieces if isinstance(p, str)),
+                [p for p in pieces if not isinstance(p, str)])
+
+    def feed_in_order(self, text: str, final: bool) -> tuple[str, list[str | ToolCallDelta]]:
+        """The next chunk's reasoning, and its content and call deltas in the output's order
+        (``ToolCallStream.feed_in_order``: a chunk may hold text after a call)."""
         thought = ""
         if self.thinking is not None:
             thought, text = self.thinking.feed(text, final=final)
-        deltas: list[ToolCallDelta] = []
-        if self.tools is not None:
-            text, deltas = self.tools.feed(text, final=final)
-            if not self.parallel:
-                deltas = [d for d in deltas if d.index == 0]
-        return thought, text, deltas
+        if self.tools is None:
+            return thought, [text] if text else []
+        pieces = self.tools.feed_in_order(text, final=final)
+        return thought, [p for p in pieces if isinstance(p, str) or self.parallel or p.index == 0]
 
     @property
     def seen_reasoning(self) -> bool:

@@ -53,7 +53,7 @@ from hyla.server.lru_store import LRUStore
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_image_urls,
                                       chat_logprobs, choice_logprobs, forced_tool_grammar, image_sources,
                                       kept_markers, on_images, opens_thinking, output_budget, render_chat,
-                                      split_answer, thinking_first)
+                                      answer_in_order, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   FieldError, cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -741,10 +741,6 @@ class _Turn:
             truncation=b.truncation or "disabled", user=b.user,
             conversation={"id": b.conversation_id()} if b.conversation is not None else None)
 
-    def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
-        """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
-        return split_answer(self.server, self.chat, text, self.in_thinking)
-
     def thoughts(self, text: str) -> str | None:
         """The reasoning of the output ``text`` (so far), or None (no reasoning parser, or no think block)."""
         reasoning = self.server.reasoning_parser
@@ -795,9 +791,12 @@ class _Turn:
         input items, when ``store``). ``streamed``: what a stream sent of the content and calls (where a
         call's block was cut off or malformed the stream's call stands, which the whole parse would keep
         as text; text after a call is a second message)."""
-        if streamed is None:
-            thoughts, text, calls = self.parse(choice.text)
-            text_after = ""
+        if streamed is None:  # (as a stream sends it: the text after the first call a second message)
+            thoughts, pieces = answer_in_order(self.server, self.chat, choice.text, self.in_thinking)
+            first = next((k for k, p in enumerate(pieces) if isinstance(p, ToolCall)), len(pieces))
+            text = "".join(p for p in pieces[:first] if isinstance(p, str))
+            calls = [p for p in pieces if isinstance(p, ToolCall)]
+            text_after = "".join(p for p in pieces[first:] if isinstance(p, str)).lstrip()
         else:  # (the calls and the text as sent: only the reasoning is parsed here)
             thoughts = self.thoughts(choice.text)
             text, calls, text_after = streamed.text, streamed.calls, streamed.text_after
@@ -956,29 +955,30 @@ class _Turn:
             final = choice.finish_reason is not None
             if logprobs is not None:
                 logprobs.feed(chunk)
-            thought, text, deltas = answer.feed(chunk["text"], final=final)
+            thought, pieces = answer.feed_in_order(chunk["text"], final=final)
             if answer.seen_reasoning and rs_index is None:
                 for line in open_reasoning():
                     yield line
             if thought:
                 yield event("response.reasoning_text.delta", item_id=rs_id, output_index=rs_index,
                             content_index=0, delta=thought)
-            if calls:  # (a chunk's text where the first call begins is the message's)
-                after.append(text)  # (layout around the calls is already dropped: ContentLayout)
-                text = ""
-            if text:
-                pending += text
-                if msg_open or pending.strip():
-                    if rs_open:
-                        for line in close_reasoning(self.thoughts(choice.text) or ""):
-                            yield line
-                    if not msg_open:
-                        for line in open_message(msg_id):
-                            yield line
-                    sent.append(pending)
-                    yield text_delta(msg_id, pending, logprobs.take(choice.text) if logprobs is not None else [])
-                    pending = ""
-            for d in deltas:
+            for d in pieces:  # (in the output's order: a chunk may hold text after a call)
+                if isinstance(d, str) and calls:  # (text after a call began: the second message's)
+                    after.append(d)  # (layout around the calls is already dropped: ContentLayout)
+                    continue
+                if isinstance(d, str):
+                    pending += d
+                    if msg_open or pending.strip():
+                        if rs_open:
+                            for line in close_reasoning(self.thoughts(choice.text) or ""):
+                                yield line
+                        if not msg_open:
+                            for line in open_message(msg_id):
+                                yield line
+                        sent.append(pending)
+                        yield text_delta(msg_id, pending, logprobs.take(choice.text) if logprobs is not None else [])
+                        pending = ""
+                    continue
                 if d.name is not None:
                     if rs_open:
                         for line in close_reasoning(self.thoughts(choice.text) or ""):

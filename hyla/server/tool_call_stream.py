@@ -77,17 +77,24 @@ class ToolCallStream:
         self.echo_held = ""  # what may be the start of the block's end marker: not fed to the echo yet
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The output's next ``text`` (``final``: its last): ``(content delta, call deltas)`` to send for it."""
+        pieces = self.feed_in_order(text, final)
+        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCallDelta)]
+
+    def feed_in_order(self, text: str, final: bool = False) -> list[str | ToolCallDelta]:
+        """``feed``'s content and call deltas in the output's order (a chunk may hold text, a whole call and
+        more text: what an Anthropic stream's blocks, or a Responses stream's items, follow). Each run of
+        one call's deltas is one (``_merged``)."""
         end = self.parser.end
         if self.open:
             seen = self.open_tail + text
             if end not in seen and not final:
                 self.open.append(text)
                 self.open_tail = _last(seen, len(end) - 1)
-                return "", _merged(self._echoed(text))
+                return _merged(self._echoed(text))
             text, self.open = "".join(self.open) + text, []
         self.buffer += text
-        out: list[str] = []
-        deltas: list[ToolCallDelta] = []
+        out: list[str | ToolCallDelta] = []
         start = self.parser.start
         while self.buffer:
             i = self.buffer.find(start)
@@ -103,7 +110,7 @@ class ToolCallStream:
                 self.open, self.open_tail = [self.buffer], _last(self.buffer, len(end) - 1)
                 self.echo = _echo_of(self.parser, self.tools) if self.incremental else None
                 self.echo_seen, self.echo_held = 0, ""
-                deltas += self._echoed(self.buffer[len(start):])
+                out += self._echoed(self.buffer[len(start):])
                 self.buffer = ""
                 break
             # a block ends with its end marker, or with the output (a stop string such as the end
@@ -113,10 +120,10 @@ class ToolCallStream:
             self.buffer = self.buffer[len(block):]
             content, sent = self._close(block, block[len(start):body_end])
             out.append(self.layout.text(content, bool(self.calls)) if content else "")
-            deltas += sent
+            out += sent
         if final:
             out.append(self.layout.end(bool(self.calls)))
-        return "".join(out), _merged(deltas)
+        return _merged([p for p in out if p != ""])
 
     def _echoed(self, text: str) -> list[ToolCallDelta]:
         """The deltas the open block's echo makes of more of its body, ``text``. What may be the start
@@ -174,14 +181,18 @@ def _last(text: str, n: int) -> str:
     return text[len(text) - n:] if 0 < n < len(text) else text if n > 0 else ""
 
 
-def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """``deltas`` with each run of one call's deltas as one (a call's first delta keeps its id and name)."""
-    out: list[ToolCallDelta] = []
-    for d in deltas:
-        if out and out[-1].index == d.index and d.name is None:
-            out[-1].arguments += d.arguments
+def _merged(pieces: list[Any]) -> list[Any]:
+    """``pieces`` (content and ``ToolCallDelta`` s) with each run of content as one, and each run of one call's
+    deltas as one (a call's first delta keeps its id and name)."""
+    out: list[Any] = []
+    for p in pieces:
+        if out and isinstance(p, str) and isinstance(out[-1], str):
+            out[-1] += p
+        elif (out and isinstance(p, ToolCallDelta) and isinstance(out[-1], ToolCallDelta)
+              and out[-1].index == p.index and p.name is None):
+            out[-1].arguments += p.arguments
         else:
-            out.append(d)
+            out.append(p)
     return out
 
 

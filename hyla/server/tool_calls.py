@@ -137,6 +137,14 @@ class ToolCallParser:
         content, _ = stream.feed(text, final=True)
         return content, stream.calls
 
+    def in_order(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[str | ToolCall]:
+        """``parse``'s content and calls in the output's order: each run of content between calls one string
+        (its whitespace as ``parse`` lays it out: joined, the strings are ``parse``'s content), each call
+        itself. What an Anthropic message makes its blocks of (text, ``tool_use``, text, ...)."""
+        stream = self.stream(tools)
+        pieces = stream.feed_in_order(text, final=True)
+        return [p if isinstance(p, str) else stream.calls[p.index] for p in pieces if isinstance(p, str) or p.name]
+
     def for_template(self, messages: list[dict[str, Any]], template: str | None = None) -> list[dict[str, Any]]:
         """Chat messages as this syntax's chat templates read them (``template``: the source of the one that
         renders them). ``qwen3_coder`` templates write an earlier call's arguments one ``<parameter>`` tag
