@@ -608,6 +608,55 @@ def test_forced_grammar_makes_a_call_the_parser_reads(name, engine):
     assert [c.name for c in parser.parse(two)[1]] == ["get_weather", "get_time"]
 
 
+# parameters as pydantic writes a nested model (openai.pydantic_function_tool): "$defs" and a "$ref" into them
+LOOKUP = {"name": "lookup", "parameters": {
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}},
+    "type": "object", "properties": {"address": {"$ref": "#/$defs/Address"}}, "required": ["address"],
+    "additionalProperties": False}}
+# a recursive schema: "#" is the tool's parameters
+TREE = {"name": "tree", "parameters": {"type": "object", "properties": {
+    "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["child"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("name", SYNTAXES)
+def test_forced_grammar_resolves_each_tools_references_in_its_own_schema(name, engine):
+    """A forced call of a tool whose parameters hold "$defs" (a "$ref" to them) or refer to themselves ("#"):
+    the grammar compiles, takes a call that follows the definitions, and refuses one that does not (it was a
+    400, "Pointer '/$defs/Address' does not exist": the references resolved against the call's wrapper)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    tools = [LOOKUP, WEATHER["function"]] + ([TREE] if not parser.xml else [])
+    grammar = parser.forced_grammar(tools, parallel=True)
+
+    def takes(args: dict, tool: str = "lookup") -> bool:
+        if parser.xml:
+            (key, value), = args.items()
+            text = f"<tool_call>\n<function={tool}>\n<parameter={key}>\n{json.dumps(value)}\n</parameter>\n" \
+                   "</function>\n</tool_call>"
+        else:
+            text = _forced_calls_text(parser, [(tool, args)])
+        matcher = engine.grammars.matcher("ebnf", grammar)
+        return all(matcher.accept(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.accept(engine.eos_token_ids[0])
+
+    assert takes({"address": {"city": "Oslo"}})
+    assert not takes({"address": {"town": "Oslo"}}) and not takes({"address": {"city": "Oslo-Gardermoen"}})
+    if not parser.xml:
+        assert takes({"child": {"child": {"child": None}}}, "tree") and not takes({"child": {"leaf": 1}}, "tree")
+    else:  # the parser reads a "$ref"'d object as JSON, not as text, whole and streamed
+        text = '<tool_call>\n<function=lookup>\n<parameter=address>\n{"city": "Oslo"}\n</parameter>\n</function>\n</tool_call>'
+        for calls in (parser.parse(text, [LOOKUP])[1], _streamed(parser.stream([LOOKUP], incremental=True), text)):
+            assert [json.loads(c.arguments) for c in calls] == [{"address": {"city": "Oslo"}}]
+
+
+def _streamed(stream, text: str) -> list:
+    """The calls of ``text`` fed to ``stream`` a character at a time."""
+    for i, ch in enumerate(text):
+        stream.feed(ch, final=i == len(text) - 1)
+    return stream.calls
+
+
 def _forced_calls_text(parser, calls: list[tuple[str, dict]]) -> str:
     """``calls`` as a parallel forced grammar lays them out in ``parser``'s syntax (not ``xml``)."""
     objects = [json.dumps({"name": name, "arguments": args}) for name, args in calls]

@@ -119,6 +119,19 @@ def test_text_between_and_after_calls_is_in_its_own_blocks_whole_and_streamed(cl
                                                    tools=[WEATHER]).content] == ["tool_use"]
 
 
+def test_arguments_that_are_no_object_are_an_input_object_whole_and_streamed(claude, engine, monkeypatch):
+    """A call whose arguments are a list or a string: ``input`` is an object, ``{"arguments": ...}``, whole and
+    streamed (the stream sent the bare list, which the client took as the input)."""
+    for args, value in (("[1, 2]", [1, 2]), ('"not json"', "not json"), (' {"city": "Oslo"}', None)):
+        script_engine(monkeypatch, engine, ['<tool_call>\n{"name": "get_weather", "arguments": ', args[:3], args[3:],
+                                            "}\n</tool_call>"])
+        whole = claude.messages.create(model=MODEL, max_tokens=64, messages=USER, tools=[WEATHER])
+        with claude.messages.stream(model=MODEL, max_tokens=64, messages=USER, tools=[WEATHER]) as stream:
+            streamed = stream.get_final_message()
+        for message in (whole, streamed):
+            assert message.content[-1].input == ({"arguments": value} if value is not None else {"city": "Oslo"})
+
+
 def test_a_conversation_with_calls_renders_as_the_chat_it_is(claude, client):
     """tool_use and tool_result blocks are the chat's tool_calls and tool messages: the same prompt tokens, and
     the same greedy answer, as the OpenAI conversation they are (tool_choice none: an answer in text)."""
@@ -194,12 +207,42 @@ def test_output_config_format_constrains_the_answer(claude):
     ({"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
     ({"model": "claude-sonnet"}, 404, "not_found_error", "claude-sonnet"),
     ({"tool_choice": {"type": "any"}}, 400, "invalid_request_error", "tool_choice needs tools"),
+    # the engine's refusals name Anthropic's fields
+    ({"stop_sequences": [""]}, 400, "invalid_request_error", "stop_sequences: stop strings must be non-empty"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, 400,
+     "invalid_request_error", "output_config.format: "),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}],
+      "tool_choice": {"type": "tool", "name": "f"}}, 400, "invalid_request_error", "tools: "),
 ])
 def test_errors_have_anthropics_shape(server, body, status, kind, words):
     payload = {"model": MODEL, "max_tokens": 4, "messages": USER, **body}
     r = httpx.post(server.url + "/v1/messages", json=payload, timeout=60)
     assert r.status_code == status, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind and words in r.json()["error"]["message"]
+
+
+def test_errors_before_the_route_have_anthropics_shape_too(server):
+    """A body nested too deep for Python to read (was a 500), a body over --max-request-bytes (its declared
+    length: answered before the route), a method the path does not take: Anthropic's shape on its paths,
+    OpenAI's elsewhere."""
+    import socket
+
+    deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(server.url + path, content=deep, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert httpx.get(server.url + "/v1/messages", timeout=60).json()["type"] == "error"
+    host, port = server.url.removeprefix("http://").split(":")
+    for path, shape in (("/v1/messages", "type"), ("/v1/chat/completions", "error")):
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {10 ** 12}\r\n\r\n".encode())
+            answer = b""
+            while b"}" not in answer.rpartition(b"\r\n\r\n")[2]:
+                answer += sock.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), head
+        assert list(json.loads(body))[0] == shape and "larger than" in body.decode(), body
 
 
 def test_unknown_fields_are_ignored_as_claude_code_sends_them(claude):

@@ -20,7 +20,7 @@ blocks are dropped (hyla has no signatures to check). What hyla cannot serve is 
 of another type (documents, server tool results; an image from a file), a tool of another type (``web_search``,
 ``bash``...: Anthropic's server tools), ``container``, ``mcp_servers``. ``output_config.format`` (a JSON
 schema) constrains the answer as ``response_format`` does. Errors have Anthropic's shape:
-``{"type": "error", "error": {"type", "message"}}`` (``error_body``).
+``{"type": "error", "error": {"type", "message"}}`` (``errors.anthropic_error_body``).
 """
 
 from __future__ import annotations
@@ -318,16 +318,6 @@ class MessagesRequest(_Counted):
 # --------------------------------------------------------------------------------------------
 # answers
 # --------------------------------------------------------------------------------------------
-# an HTTP status -> Anthropic's error type
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body for ``status``."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
 def stop_reason(finish: dict[str, Any] | None, called: bool) -> tuple[str, str | None]:
     """``(stop_reason, stop_sequence)`` of an answer that ended with the engine's ``finish`` reason
     (``called``: it has calls): ``tool_use``, ``stop_sequence`` (a stop string matched), ``max_tokens``, or

@@ -8,7 +8,7 @@ content block ``content_block_start``, its deltas (``thinking_delta``, ``text_de
 arguments as ``input_json_delta`` as the model writes them: ``tool_call_stream``'s incremental
 stream), ``content_block_stop``; then ``message_delta`` (``stop_reason``, the usage) and
 ``message_stop``. The API key is ``x-api-key`` (Anthropic's header) or ``Authorization: Bearer``. Every
-error, a body pydantic refuses included, has Anthropic's shape (``anthropic_protocol.error_body``); after
+error, a body pydantic refuses included, has Anthropic's shape (``errors.anthropic_error_body``: whoever answers, ``APIError.response``); after
 a stream started, an ``error`` event.
 """
 
@@ -25,11 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from hyla.server.anthropic_protocol import (CountTokensRequest, MessagesRequest, error_body, stop_reason, tool_input,
+from hyla.server.anthropic_protocol import (CountTokensRequest, MessagesRequest, stop_reason, tool_input,
                                             usage)
 from hyla.server.auth import bearer_key_matches
 from hyla.server.disaggregation import disaggregation_answer
-from hyla.server.errors import APIError, engine_error, validation_error
+from hyla.server.errors import APIError, anthropic_error_body, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat,
                                        chat_image_tokens, chat_images, final_text, forced_tool_grammar, image_tokens,
@@ -108,8 +108,8 @@ class AnthropicRoutes:
                            type="authentication_error")
         try:
             raw = await request.json()
-        except ValueError:
-            raise APIError(400, "the body is not JSON") from None
+        except (ValueError, RecursionError):  # (not UTF-8, not JSON, or nested too deep for Python to read)
+            raise APIError(400, "the body is not JSON (or is nested too deep)") from None
         try:
             return model.model_validate(raw)
         except ValidationError as exc:
@@ -132,10 +132,8 @@ class AnthropicRoutes:
 
 
 def _error(exc: APIError) -> JSONResponse:
-    """``exc`` in Anthropic's shape, its field named in the message (a body's field already is: its path first)."""
-    named = not exc.param or exc.message.startswith(exc.param.split(".")[0])
-    message = exc.message if named else f"{exc.param}: {exc.message}"
-    return JSONResponse(error_body(exc.status, message), status_code=exc.status, headers=exc.headers)
+    """``exc`` in Anthropic's shape, its field named in the message (``APIError.anthropic_response``)."""
+    return exc.anthropic_response()
 
 
 def _event(kind: str, **fields: Any) -> str:
@@ -181,7 +179,7 @@ class _Turn:
                 yield line
         except Exception as exc:
             error = exc if isinstance(exc, APIError) else engine_error(exc, ENDPOINT)
-            yield _event("error", error=error_body(error.status, error.message)["error"])
+            yield _event("error", error=anthropic_error_body(error.status, error.message)["error"])
 
     async def _events(self, gen: Generation) -> AsyncIterator[str]:
         start = usage({"prompt_tokens": self.prompt_tokens})
@@ -211,8 +209,8 @@ class _Turn:
                     for line in blocks.open(("tool_use", piece.index), {"type": "tool_use", "id": piece.id,
                                                                         "name": piece.name, "input": {}}):
                         yield line
-                if piece.arguments:
-                    yield blocks.event({"type": "input_json_delta", "partial_json": piece.arguments})
+                for line in blocks.arguments(piece.arguments):
+                    yield line
         for line in blocks.close():
             yield line
         reason, sequence = stop_reason(choice.finish_reason, bool(answer.calls))
@@ -226,6 +224,8 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index, self.kind = -1, None  # the open block's index and kind (None: none open)
+        # the open tool_use block's arguments: are they sent inside {"arguments": ...} (None: not known yet)
+        self.wrapped: bool | None = None
 
     def open(self, kind: Any, block: dict[str, Any]) -> list[str]:
         lines = self.close()
@@ -241,8 +241,22 @@ class _Blocks:
     def event(self, delta: dict[str, Any]) -> str:
         return _event("content_block_delta", index=self.index, delta=delta)
 
+    def arguments(self, text: str) -> list[str]:
+        """More of the open tool_use block's arguments (JSON text), as ``input_json_delta`` s. Arguments that are
+        no object (a list, a string) go inside ``{"arguments": ...}``, as the whole answer's ``tool_input`` puts
+        them (``input`` is an object): known at their first character other than whitespace (the whitespace
+        before it is not sent)."""
+        if self.wrapped is None:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.wrapped = not text.startswith("{")
+            text = '{"arguments": ' + text if self.wrapped else text
+        return [self.event({"type": "input_json_delta", "partial_json": text})] if text else []
+
     def close(self) -> list[str]:
         if self.kind is None:
             return []
-        self.kind = None
-        return [_event("content_block_stop", index=self.index)]
+        lines = [self.event({"type": "input_json_delta", "partial_json": "}"})] if self.wrapped else []
+        self.kind, self.wrapped = None, None
+        return lines + [_event("content_block_stop", index=self.index)]

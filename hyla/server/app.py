@@ -315,7 +315,7 @@ class _LimitBody:
         cap, flag = (self.max_large_bytes, "--max-prefix-bytes") if large else (self.max_bytes, "--max-request-bytes")
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > cap:
-            await self._error(cap, flag).response()(scope, receive, send)
+            await self._error(cap, flag).response(scope.get("path", ""))(scope, receive, send)
             return
         received = 0
 

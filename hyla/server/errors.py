@@ -37,8 +37,26 @@ RETRY_AFTER_SECONDS = 1
 UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's 400 for a body json.loads failed on otherwise
 
 
+# Anthropic's Messages API (``anthropic_routes``): its errors have Anthropic's shape, whoever answers them
+ANTHROPIC_PATH = "/v1/messages"
+# an HTTP status -> Anthropic's error type
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for ``status``."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
 class APIError(Exception):
-    """An error answered with an OpenAI-style body and ``status`` (plus ``headers``, if any)."""
+    """An error answered with an OpenAI-style body and ``status`` (plus ``headers``, if any), or with
+    Anthropic's on Anthropic's paths (``response(path)``)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
@@ -50,8 +68,18 @@ class APIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer: OpenAI's body, or Anthropic's on its ``path`` s (``is_anthropic_path``)."""
+        if is_anthropic_path(path):
+            return self.anthropic_response()
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def anthropic_response(self) -> JSONResponse:
+        """The answer in Anthropic's shape, which has no ``param``: the field is named in the message (a body's
+        field already is: its path first)."""
+        named = not self.param or self.message.startswith(self.param.split(".")[0])
+        message = self.message if named else f"{self.param}: {self.message}"
+        return JSONResponse(anthropic_error_body(self.status, message), status_code=self.status, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -64,7 +92,10 @@ _OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"
                   "regex": "response_format", "ebnf": "response_format", "input_ids": "prompt"}
 _API_PARAMS = {"completions": {**_OPENAI_PARAMS, "top_logprobs_num": "logprobs"},
                "chat": {**_OPENAI_PARAMS, "input_ids": "messages", "prompt": "messages", "image_data": "messages",
-                        "top_logprobs_num": "top_logprobs"}}
+                        "top_logprobs_num": "top_logprobs"},
+               # Anthropic's Messages API: its grammars are a structured output's schema and a forced tool's
+               "messages": {"max_new_tokens": "max_tokens", "stop": "stop_sequences", "json_schema": "output_config.format",
+                            "ebnf": "tools", "input_ids": "messages", "prompt": "messages", "image_data": "messages"}}
 
 
 def api_param(param: str | None, endpoint: str) -> str | None:
@@ -153,15 +184,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Answer every error above with its OpenAI-style body."""
+    """Answer every error above with its OpenAI-style body (Anthropic's on Anthropic's paths)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -171,7 +202,7 @@ def add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and message == UNPARSED_BODY:  # FastAPI's, for what json.loads did not raise
             message, code = ("the request body could not be read as JSON: not UTF-8, compressed (no Content-Encoding "
                              "is supported), nested too deep, or an integer of more than 4,300 digits"), "invalid_json"
-        return APIError(exc.status_code, message, type=kind, code=code, headers=exc.headers).response()
+        return APIError(exc.status_code, message, type=kind, code=code, headers=exc.headers).response(request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -181,4 +212,4 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="internal_error",
-                        code="internal_error").response()
+                        code="internal_error").response(request.url.path)

@@ -454,6 +454,7 @@ class _XmlEcho(_Echo):
         super().__init__()
         self.tools = tools
         self.properties: dict[str, Any] = {}
+        self.params: dict[str, Any] = {}  # the function's parameters (which its properties' "$ref"s name)
         self.keys: set[str] = set()
         self.key = ""
         self.value: list[str] = []  # a value sent whole: its pieces
@@ -474,7 +475,7 @@ class _XmlEcho(_Echo):
             return ""
         self.value.append(held[:i])
         if self.key not in self.keys:
-            value = xml_argument("".join(self.value), self.properties.get(self.key))
+            value = xml_argument("".join(self.value), self.properties.get(self.key), self.params)
             self.send(self._key_text() + _json_text(value))
             self.keys.add(self.key)
         self.state, self.value, self.buf = "parameters", [], ""
@@ -505,14 +506,15 @@ class _XmlEcho(_Echo):
         rest = self.go(self.state, at + close + 1)
         if tag == _FUNCTION:
             name = name.strip()
-            properties = _parameters(self.tools, name).get("properties")
+            self.params = _parameters(self.tools, name)
+            properties = self.params.get("properties")
             self.properties = properties if isinstance(properties, dict) else {}
             self.keys = set()
             self.begin(name, arguments="{")
             self.state = "parameters"
             return rest
         self.key = name.strip()
-        if self.key not in self.keys and _allows_string(self.properties.get(self.key)):
+        if self.key not in self.keys and _allows_string(self.properties.get(self.key), self.params):
             self.send(self._key_text() + '"')
             self.keys.add(self.key)
             self.state, self.fresh = "string", True

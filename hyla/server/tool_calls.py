@@ -182,13 +182,16 @@ class ToolCallParser:
             return xml_forced_grammar(tools, parallel)
         if self.body == "kimi":
             return kimi_forced_grammar(tools, parallel)
-        options = []
-        for fn in tools:
+        # a call is {"name": NAME, "arguments": ARGS}, laid out as JSON_DEFAULTS lays out an object of those two
+        # keys; each tool's parameters a JSON rule of their own, so that their "$ref"s ("#/$defs/...", "#")
+        # resolve in them, as in the tool's schema
+        rules, options = [], []
+        for f, fn in enumerate(tools):
             params = fn.get("parameters") or {"type": "object"}
-            options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                            "required": ["name", "arguments"], "additionalProperties": False})
-        schema = options[0] if len(options) == 1 else {"anyOf": options}
-        body = f"body: {_json_rule(schema)}\n"
+            rules += [f'c{f}: "{{\\"name\\": " n{f} ", \\"arguments\\": " a{f} "}}"',
+                      f"n{f}: {_json_rule({'const': fn['name']})}", f"a{f}: {_json_rule(params)}"]
+            options.append(f"c{f}")
+        body = f"body: {' | '.join(options)}\n" + "\n".join(rules) + "\n"
         if self.body in ("list", "python"):  # one block, a list of one call (or several, parallel)
             items = 'body (", " body)*' if parallel else "body"
             return f"start: {json.dumps(self.start + '[')} {items} {json.dumps(']' + self.end)}\n" + body
@@ -357,7 +360,8 @@ def xml_calls(body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] |
     calls = []
     for name, inner in functions:
         name = name.strip()
-        properties = _parameters(tools, name).get("properties")
+        params = _parameters(tools, name)
+        properties = params.get("properties")
         properties = properties if isinstance(properties, dict) else {}
         parameters = _tagged(inner, "parameter")
         if parameters is None:
@@ -365,7 +369,7 @@ def xml_calls(body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] |
         args: dict[str, Any] = {}
         for key, value in parameters:  # (a parameter written twice: the first is kept, as a stream sent it)
             if key.strip() not in args:
-                args[key.strip()] = xml_argument(value, properties.get(key.strip()))
+                args[key.strip()] = xml_argument(value, properties.get(key.strip()), params)
         calls.append(ToolCall(name, _json_text(args)))
     return calls
 
@@ -389,16 +393,17 @@ def _tagged(text: str, tag: str) -> list[tuple[str, str]] | None:
     return elements if not text[pos:].strip() else None
 
 
-def xml_argument(text: str, schema: dict[str, Any] | None) -> Any:
+def xml_argument(text: str, schema: dict[str, Any] | None, root: Any = None) -> Any:
     """A ``<parameter>`` tag's text as a JSON value: the text between the newline after the opening
     tag and the one before the closing tag; kept a string when the schema allows a string (or the
     parameter has no schema), else read as JSON (``42``, ``true``, ``null``, ``[1, 2]``, ...), and a
-    string again when it is not valid JSON (vLLM and SGLang also fall back to the text)."""
+    string again when it is not valid JSON (vLLM and SGLang also fall back to the text). ``root``: the
+    tool's parameters, which the schema's ``$ref`` s name."""
     if text.startswith("\n"):
         text = text[1:]
     if text.endswith("\n"):
         text = text[:-1]
-    if _allows_string(schema):
+    if _allows_string(schema, root):
         return text
     try:
         return _json_value(text)
@@ -406,13 +411,20 @@ def xml_argument(text: str, schema: dict[str, Any] | None) -> Any:
         return text
 
 
-def _allows_string(schema: Any) -> bool:
+def _allows_string(schema: Any, root: Any = None) -> bool:
     """Whether a parameter's schema lets its value be a string: no schema (or not an object), a
     ``type`` naming ``string``, an ``enum`` / ``const`` with a string value, or, without those, any
-    ``anyOf`` / ``oneOf`` branch that does. Iterative, and any JSON value is taken."""
-    stack = [schema]
+    ``anyOf`` / ``oneOf`` branch that does; a ``$ref`` is the schema it names in ``root`` (the tool's
+    parameters: ``#``, ``#/$defs/...``; one it cannot find allows anything). Iterative, and any JSON value
+    is taken."""
+    stack, followed = [schema], set()
     while stack:
         schema = stack.pop()
+        if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+            if schema["$ref"] not in followed:  # (a cycle of references: each followed once)
+                followed.add(schema["$ref"])
+                stack.append(_pointer(root, schema["$ref"]))
+            continue
         if not isinstance(schema, dict):
             return True
         kind = schema.get("type")
@@ -430,6 +442,22 @@ def _allows_string(schema: Any) -> bool:
             return True
         stack.extend(branches)
     return False
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """What the local JSON pointer ``ref`` (``#``, ``#/$defs/Name``) names in ``root``; None where nothing."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _parameters(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
@@ -459,11 +487,12 @@ def xml_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
             choices = _choices(schema)
             if choices is not None:
                 rules += [f"{name}: {tag} {value} {close}", f"{value}: {' | '.join(choices)}"]
-            elif _allows_string(schema):  # any text, up to (and with) the closing tag
+            elif _allows_string(schema, params):  # any text, up to (and with) the closing tag
                 rules += [f"{name}: {tag} {value}", f"{value}[stop={close}]: /(?s:.*)/"]
-            else:
+            else:  # (with the tool's definitions, which its "$ref"s may name)
+                defs = {k: params[k] for k in ("$defs", "definitions") if k in params and isinstance(schema, dict)}
                 rules += [f"{name}: {tag} {value} {close}",
-                          f"{value}: {_json_rule(schema)}"]
+                          f"{value}: {_json_rule({**schema, **defs} if defs else schema)}"]
             items.append(name if key in required else f"{name}?")
         opening = json.dumps(f"<function={fn['name']}>\n")
         rules.append(f'f{f}: {opening} {" ".join(items)} "</function>\\n"')
