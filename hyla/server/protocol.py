@@ -556,7 +556,13 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class TextContentPart(_Strict):
+class _ContentPart(_Strict):
+    # Anthropic's prompt-caching mark, which OpenAI-format clients in front of several providers (LiteLLM,
+    # OpenRouter) put on parts: accepted and ignored, as /v1/messages does (every prompt's prefix is cached)
+    cache_control: dict[str, Any] | None = None
+
+
+class TextContentPart(_ContentPart):
     type: Literal["text"]
     text: str
 
@@ -580,7 +586,7 @@ class ImageURL(_Strict):
     detail: Literal["auto", "low", "high"] | None = None  # (accepted; the model's processor decides the size)
 
 
-class ImageContentPart(_Strict):
+class ImageContentPart(_ContentPart):
     """An image (OpenAI's ``image_url`` part), for a vision-language model."""
 
     type: Literal["image_url"]
