@@ -175,6 +175,38 @@ def test_lpm_in_batch_dedup_waits_only_for_its_own_namespace(qwen3_next_dense_pa
         assert not deferred(req(True, 48), [req(1, 49)])  # equal in Python, two namespaces
 
 
+def test_lpm_in_batch_dedup_does_not_wait_for_what_no_hit_may_serve(qwen3_next_dense_path, monkeypatch):
+    """Prompts sharing a prefix whose logprobs start at 0 (``/v1/completions`` with ``echo`` and
+    ``logprobs``, as lm-eval's loglikelihood requests come) take no hit, so waiting for a sharer's prefix
+    buys nothing: they are prefilled in one step, not one per step."""
+    with Engine(qwen3_next_dense_path, schedule_policy="lpm", chunked_prefill_size=2048, max_total_tokens=16384,
+                max_state_slots=64, max_running_requests=8, debug_checks=True) as eng:
+        prefix = _prompt(100, seed=43)
+        batches: list[int] = []
+        real = eng.scheduler.run
+        monkeypatch.setattr(eng.scheduler, "run", lambda batch: batches.append(len(batch.reqs)) or real(batch))
+        outs = eng.generate(input_ids=[prefix + _prompt(8, seed=70 + i) for i in range(8)], return_logprob=True,
+                            logprob_start_len=0, sampling_params={"max_new_tokens": 0})
+        assert batches == [8]  # (was [1] * 8)
+        assert all(len(o["meta_info"]["input_token_logprobs"]) == 108 for o in outs)
+
+
+def test_lpm_in_batch_dedup_lets_no_less_urgent_request_pass(qwen3_next_dense_path, monkeypatch):
+    """Priority scheduling keeps the queue strict: a request LPM defers for a sharer's prefix keeps its place,
+    where a less urgent request took the last running slot in its step (and it then waited for that request's
+    whole answer, within the preemption threshold)."""
+    with Engine(qwen3_next_dense_path, schedule_policy="lpm", max_total_tokens=4096, max_state_slots=16,
+                max_running_requests=2, enable_priority_scheduling=True, debug_checks=True) as eng:
+        admitted: list[str] = []
+        real = eng.scheduler._on_admitted
+        monkeypatch.setattr(eng.scheduler, "_on_admitted", lambda req: admitted.append(req.rid) or real(req))
+        prefix = _prompt(64, seed=44)
+        params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (30, 2, 30)]
+        eng.generate(input_ids=[prefix + _prompt(8, seed=80), prefix + _prompt(8, seed=81), _prompt(40, seed=82)],
+                     sampling_params=params, rid=["X", "U", "L"], priority=[5, 5, 0])
+        assert admitted == ["X", "U", "L"]
+
+
 @pytest.mark.parametrize("policy, want", [("lpm", 200), ("fcfs", 0)])
 def test_lpm_in_batch_dedup_caches_a_new_shared_prefix_once(qwen3_next_dense_path, policy, want):
     """Three requests sharing a new 200-token prefix arrive together. LPM admits one and defers the

@@ -41,7 +41,7 @@ import torch
 from hyla.cache import MatchResult
 from hyla.cache.radix_types import namespace_key
 from hyla.cache.transfer import to_device
-from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
+from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints, match_limit
 from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req, ReqStatus, abort_reason
 from hyla.engine.sampler import needs_processing
@@ -622,11 +622,16 @@ class Scheduler:
             # while some request runs (and another may join it), the waiting requests' hits are held
             held = self._hold_waiting(hits) if protect and 0 < len(self.running) < self.config.max_running_requests \
                 else []
+            deferred: int | None = None  # the most urgent rank deferred this step (priority scheduling)
             try:
                 for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its own request
                     if budget <= 0:
                         break
+                    if deferred is not None and self.rank(req) > deferred:
+                        continue  # (the queue stays strict: no less urgent request passes one deferred)
                     if self._deferred_for_in_batch_prefix(req, batch.reqs):
+                        if self.config.priority_scheduling:
+                            deferred = min(self.rank(req), deferred if deferred is not None else self.rank(req))
                         continue
                     slot_victims = self._slot_ready(req, batch) if req.lora_uid else []
                     if slot_victims is None:
@@ -871,7 +876,9 @@ class Scheduler:
 
     def _deferred_for_in_batch_prefix(self, req: Req, admitted: list[Req]) -> bool:
         """LPM's in-batch deduplication: if a request admitted in this step shares a long prefix
-        with ``req`` that the tree does not have yet, admit ``req`` later, once that prefix is cached.
+        with ``req`` that the tree does not have yet (and that a hit may serve ``req``: ``match_limit``),
+        admit ``req`` later, once that prefix is cached. With priority scheduling no less urgent request is
+        admitted in its place that step (``_schedule_prefill``).
         Only a request of its own namespace counts: another's cache is never ``req``'s, and waiting for
         it would let one tenant's prompts delay another's (a timing signal across cache salts)."""
         if self.cache.tree is None or self.config.schedule_policy != "lpm" or not admitted:
@@ -879,6 +886,8 @@ class Scheduler:
         fill, ns = req.fill_keys, namespace_key(req.namespace)
         shared = max((_common_prefix_len(fill, other.fill_keys) for other in admitted
                       if namespace_key(other.namespace) == ns), default=0)
+        # what a hit may cover of it: none of a prompt whose logprobs start at 0, which waits for nothing
+        shared = min(shared, match_limit(req.num_fill, req.prompt_logits_from))
         if shared < IN_BATCH_PREFIX_THRESHOLD:
             return False
         return shared - self.cache.peek(req).kv_only_len >= IN_BATCH_PREFIX_THRESHOLD
