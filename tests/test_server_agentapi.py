@@ -279,6 +279,16 @@ def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
                 [p if isinstance(p, str) else (stream.calls[p].name, stream.calls[p].arguments) for p in order], pieces
 
 
+@pytest.mark.parametrize("name", [n for n in SYNTAXES if n not in ("qwen3_coder", "lfm2", "kimi_k2")])  # (JSON names)
+def test_in_order_keeps_a_call_whose_name_is_empty(name):
+    """A call named "" (which ``parse`` and a stream keep): ``in_order`` keeps it too (a whole answer lost it)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    text = "A " + _json_block(parser, '""', '{"x": 1}') + " B"
+    assert [p if isinstance(p, str) else p.name for p in parser.in_order(text)] == ["A", "", "  B"]  # (layout as parse)
+    assert [c.name for c in parser.parse(text)[1]] == [""]
+
+
 @pytest.mark.parametrize("name", SYNTAXES)
 def test_a_lone_surrogate_a_call_escapes_stays_escaped(name):
     """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no UTF-8 answer can carry: the
@@ -617,6 +627,10 @@ LOOKUP = {"name": "lookup", "parameters": {
 # a recursive schema: "#" is the tool's parameters
 TREE = {"name": "tree", "parameters": {"type": "object", "properties": {
     "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["child"], "additionalProperties": False}}
+# a schema used twice, as zod-to-json-schema writes it (MCP tools): the second use a "$ref" to the first
+REUSED = {"name": "reused", "parameters": {"type": "object", "properties": {
+    "src": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+    "dst": {"$ref": "#/properties/src"}}, "required": ["dst"], "additionalProperties": False}}
 
 
 @pytest.mark.parametrize("name", SYNTAXES)
@@ -626,7 +640,7 @@ def test_forced_grammar_resolves_each_tools_references_in_its_own_schema(name, e
     400, "Pointer '/$defs/Address' does not exist": the references resolved against the call's wrapper)."""
     from hyla.server.tool_calls import ToolCallParser
     parser = ToolCallParser(name)
-    tools = [LOOKUP, WEATHER["function"]] + ([TREE] if not parser.xml else [])
+    tools = [LOOKUP, WEATHER["function"], TREE, REUSED]
     grammar = parser.forced_grammar(tools, parallel=True)
 
     def takes(args: dict, tool: str = "lookup") -> bool:
@@ -642,9 +656,9 @@ def test_forced_grammar_resolves_each_tools_references_in_its_own_schema(name, e
 
     assert takes({"address": {"city": "Oslo"}})
     assert not takes({"address": {"town": "Oslo"}}) and not takes({"address": {"city": "Oslo-Gardermoen"}})
-    if not parser.xml:
-        assert takes({"child": {"child": {"child": None}}}, "tree") and not takes({"child": {"leaf": 1}}, "tree")
-    else:  # the parser reads a "$ref"'d object as JSON, not as text, whole and streamed
+    assert takes({"child": {"child": {"child": None}}}, "tree") and not takes({"child": {"leaf": 1}}, "tree")
+    assert takes({"dst": {"x": 1}}, "reused") and not takes({"dst": {"x": "one"}}, "reused")
+    if parser.xml:  # the parser reads a "$ref"'d object as JSON, not as text, whole and streamed
         text = '<tool_call>\n<function=lookup>\n<parameter=address>\n{"city": "Oslo"}\n</parameter>\n</function>\n</tool_call>'
         for calls in (parser.parse(text, [LOOKUP])[1], _streamed(parser.stream([LOOKUP], incremental=True), text)):
             assert [json.loads(c.arguments) for c in calls] == [{"address": {"city": "Oslo"}}]

@@ -231,7 +231,7 @@ def test_errors_before_the_route_have_anthropics_shape_too(server):
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         r = httpx.post(server.url + path, content=deep, headers={"content-type": "application/json"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-    assert httpx.get(server.url + "/v1/messages", timeout=60).json()["type"] == "error"
+    assert httpx.get(server.url + "/v1/messages", timeout=60).json()["error"]["type"] == "invalid_request_error"
     host, port = server.url.removeprefix("http://").split(":")
     for path, shape in (("/v1/messages", "type"), ("/v1/chat/completions", "error")):
         with socket.create_connection((host, int(port)), timeout=60) as sock:

@@ -795,6 +795,18 @@ def test_items_become_chat_turns():
                                                                                          "text": "r2"}]),
              MessageItem(role="assistant", content="done"),
              MessageItem(role="assistant", content="more")]
+    # a response's text after its calls (its second message): the same assistant turn, as a chat client's
+    after = [MessageItem(role="user", content="q"), FunctionCallItem(type="function_call", call_id="c1", name="f",
+                                                                     arguments="{}"),
+             MessageItem(role="assistant", content="sent"), MessageItem(role="assistant", content="more"),
+             FunctionCallOutputItem(type="function_call_output", call_id="c1", output="r1")]
+    assert items_to_messages(after) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "sent", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "assistant", "content": "more"}, {"role": "tool", "tool_call_id": "c1", "content": "r1"}]
+    assert items_to_messages(items[:5] + [MessageItem(role="assistant", content="after")])[1]["content"] == \
+        "let me look\n\nafter"
     assert items_to_messages(items) == [
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "let me look", "reasoning_content": "hmm", "tool_calls": [

@@ -46,8 +46,9 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
 
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body for ``status``."""
-    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+    """Anthropic's error body for ``status`` (another 4xx, such as a 405: ``invalid_request_error``)."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def is_anthropic_path(path: str) -> bool:

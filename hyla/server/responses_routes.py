@@ -173,14 +173,17 @@ def stored_size(stored: StoredResponse) -> int:
 def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     """Input (or output) items as chat messages, as a chat completion's client would send them:
     an assistant message, the reasoning before it (``reasoning_content``) and the function calls
-    after it make one assistant turn (``tool_calls``); a ``function_call_output`` is a ``tool``
-    message; every other message is itself (its text parts joined)."""
+    after it make one assistant turn (``tool_calls``), and so does an assistant message right after the
+    calls (a response's text after its calls: its text joined to the turn's content, as a chat completion's
+    whole answer joins them); a ``function_call_output`` is a ``tool`` message; every other message is
+    itself (its text parts joined)."""
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant turn being built
 
     def flush() -> None:
         nonlocal turn
         if turn is not None:
+            turn.pop("text_after", None)
             if turn.get("content") is None and not turn.get("tool_calls"):
                 turn["content"] = ""
             out.append(turn)
@@ -191,6 +194,12 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
             flush()
             turn = {"role": "assistant", "content": None, "reasoning_content": item.text()}
         elif isinstance(item, MessageItem) and item.role == "assistant":
+            if turn is not None and turn.get("tool_calls") and not turn.get("text_after"):
+                # the text the model wrote after its calls (a response's second message): the same turn, its
+                # texts joined as a chat completion's content joins them (a template's turns alternate)
+                turn["content"] = "\n\n".join(t for t in (turn.get("content"), item.text()) if t)
+                turn["text_after"] = True
+                continue
             if turn is None or turn.get("content") is not None or turn.get("tool_calls"):
                 flush()
                 turn = {"role": "assistant", "content": None}

@@ -143,7 +143,8 @@ class ToolCallParser:
         itself. What an Anthropic message makes its blocks of (text, ``tool_use``, text, ...)."""
         stream = self.stream(tools)
         pieces = stream.feed_in_order(text, final=True)
-        return [p if isinstance(p, str) else stream.calls[p.index] for p in pieces if isinstance(p, str) or p.name]
+        return [p if isinstance(p, str) else stream.calls[p.index] for p in pieces
+                if isinstance(p, str) or p.name is not None]
 
     def for_template(self, messages: list[dict[str, Any]], template: str | None = None) -> list[dict[str, Any]]:
         """Chat messages as this syntax's chat templates read them (``template``: the source of the one that
@@ -460,6 +461,40 @@ def _pointer(root: Any, ref: str) -> Any:
     return node
 
 
+def _followed(schema: Any, root: Any) -> Any:
+    """``schema``, or where its chain of ``$ref`` s leads in ``root`` (None where nowhere, or in a cycle)."""
+    seen: set[str] = set()
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        if schema["$ref"] in seen:
+            return None
+        seen.add(schema["$ref"])
+        schema = _pointer(root, schema["$ref"])
+    return schema
+
+
+_TOOL_DEF = "__tool"  # where _in_tool puts the tool's parameters
+
+
+def _in_tool(params: dict[str, Any], key: str) -> dict[str, Any]:
+    """A JSON schema of the parameter ``key`` of a tool whose parameters are ``params``, as a document of its
+    own in which the parameter's ``$ref`` s (``#``, ``#/$defs/...``, ``#/properties/...``) name what they
+    name in ``params``: the parameters under ``$defs`` (each local ``$ref`` moved there), the root a
+    ``$ref`` to the parameter."""
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: (f"#/$defs/{_TOOL_DEF}{v[1:]}" if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _LITERAL_KEYWORDS else moved(v)) for k, v in node.items()}
+
+    pointer = key.replace("~", "~0").replace("/", "~1")
+    return {"$ref": f"#/$defs/{_TOOL_DEF}/properties/{pointer}", "$defs": {_TOOL_DEF: moved(params)}}
+
+
+_LITERAL_KEYWORDS = frozenset(("const", "enum", "default", "examples"))  # values, not schemas: no $ref to move
+
+
 def _parameters(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
     """The ``parameters`` schema of function ``name`` among ``tools`` (OpenAI tools or their
     ``function`` objects); ``{}`` when it is not there."""
@@ -484,15 +519,13 @@ def xml_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
         for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
             name, value = f"p{f}_{k}", f"v{f}_{k}"
             tag, close = json.dumps(f"<parameter={key}>\n"), json.dumps("\n</parameter>\n")
-            choices = _choices(schema)
+            choices = _choices(_followed(schema, params))
             if choices is not None:
                 rules += [f"{name}: {tag} {value} {close}", f"{value}: {' | '.join(choices)}"]
             elif _allows_string(schema, params):  # any text, up to (and with) the closing tag
                 rules += [f"{name}: {tag} {value}", f"{value}[stop={close}]: /(?s:.*)/"]
-            else:  # (with the tool's definitions, which its "$ref"s may name)
-                defs = {k: params[k] for k in ("$defs", "definitions") if k in params and isinstance(schema, dict)}
-                rules += [f"{name}: {tag} {value} {close}",
-                          f"{value}: {_json_rule({**schema, **defs} if defs else schema)}"]
+            else:  # (a document whose "$ref"s resolve in the tool's parameters: _in_tool)
+                rules += [f"{name}: {tag} {value} {close}", f"{value}: {_json_rule(_in_tool(params, key))}"]
             items.append(name if key in required else f"{name}?")
         opening = json.dumps(f"<function={fn['name']}>\n")
         rules.append(f'f{f}: {opening} {" ".join(items)} "</function>\\n"')
