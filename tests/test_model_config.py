@@ -87,6 +87,30 @@ def test_nemotron_h_layout_and_shapes(nemotron):
     assert c.router == "sigmoid" and c.hidden_act == "relu2"
 
 
+def test_qwen3_5_vl_ties_its_lm_head_by_the_top_level_flag_alone():
+    """A vision-language Qwen3.5 config ties its lm_head as transformers' ``Qwen3_5Config`` reads it: by the
+    top-level ``tie_word_embeddings`` (False where absent), whatever the text config's flag says."""
+    from checkpoints import QWEN3_5_VL_TOKENS, QWEN3_5_VL_VISION_KW
+    text = {**QWEN3_5_KW, "tie_word_embeddings": True}
+    base = hf_dict(transformers.Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VL_VISION_KW,
+                                              **QWEN3_5_VL_TOKENS), "Qwen3_5ForConditionalGeneration")
+    bare = {k: v for k, v in base.items() if k != "tie_word_embeddings"}
+    assert base["text_config"]["tie_word_embeddings"] and not transformers.Qwen3_5Config(**bare).tie_word_embeddings
+    assert not ModelConfig.from_hf(bare).tie_word_embeddings
+    assert ModelConfig.from_hf({**bare, "tie_word_embeddings": True}).tie_word_embeddings
+
+
+def test_nemotron_h_head_dim_without_the_key_is_transformers_default():
+    """A config without ``head_dim``: 128, as transformers' ``NemotronHConfig`` reads it (not hidden / heads), or
+    NVIDIA's remote code's ``attention_head_dim``."""
+    base = hf_dict(transformers.NemotronHConfig(**NEMOTRON_H_KW), "NemotronHForCausalLM")
+    bare = {k: v for k, v in base.items() if k != "head_dim"}
+    assert ModelConfig.from_hf(bare).head_dim == transformers.NemotronHConfig(**{
+        k: v for k, v in NEMOTRON_H_KW.items() if k != "head_dim"}).head_dim == 128
+    assert ModelConfig.from_hf({**bare, "attention_head_dim": 96}).head_dim == 96
+    assert ModelConfig.from_hf(base).head_dim == base["head_dim"]
+
+
 def test_nemotron_h_dt_clamp_is_time_step_limit():
     """NemotronH clamps dt to ``time_step_limit`` (legacy ``mamba_dt_limit``, which wins, as in HF's config),
     as NVIDIA's reference and transformers >= 5.25 do; ``time_step_min`` only initialises ``dt_bias``."""

@@ -119,7 +119,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         zero_centered_norm=False,
         num_attention_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        # transformers' NemotronHConfig: head_dim, 128 when absent (NVIDIA's remote code: attention_head_dim)
+        head_dim=int(cfg.get("head_dim") or cfg.get("attention_head_dim") or 128),
         attention_bias=False,  # HF's NemotronHAttention has no bias whatever the config says
         rotary_dim=0,
         linear_kind="mamba2" if "linear" in types else "none",

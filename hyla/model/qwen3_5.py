@@ -92,11 +92,11 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
 
 def vl_text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The text model's config of a Qwen3.5 (or Qwen3.5-MoE) vision-language ``config.json``: its
-    ``text_config``, with the top-level ``tie_word_embeddings`` winning and the top-level token ids
-    and dtype filling what the text config lacks."""
+    ``text_config``, with the top-level ``tie_word_embeddings`` deciding (False where absent, as transformers'
+    ``Qwen3_5Config`` reads it: the text config's flag does not tie the vision-language model's lm_head) and
+    the top-level token ids and dtype filling what the text config lacks."""
     text = dict(cfg.get("text_config") or {})
-    if "tie_word_embeddings" in cfg:  # the vision-language model ties (or not) its lm_head
-        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))  # the model's lm_head, tied or not
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if text.get(key) is None and key in cfg:
             text[key] = cfg[key]
