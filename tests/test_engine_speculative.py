@@ -693,6 +693,13 @@ def test_adaptive_ngram_drafts_fewer_after_rejections_and_more_after_acceptances
     assert d.propose(req, 2) == full[:1] and d.propose(req, 0) == []  # the scheduler's limit still applies
     assert req.draft_state.budget.guess is None  # nothing to guess without room for drafts
     assert fixed.propose(req, 8) == full  # adaptive=False: the whole continuation, always
+    # a guess whose step never verified (its request retracted, then a step that drafts nothing: drafting off
+    # by batch size) is not scored against a later token
+    assert _step(d, req, 8, [other], 0) == full[:1] and req.draft_state.budget.budget == 0
+    assert d.propose(req, 8) == [] and req.draft_state.budget.guess == phrase[4]  # guessed, never verified
+    req.output_ids.append(phrase[4])  # (the step that verified came later, the request one token on)
+    d.verified([req], [_verdict([phrase[4]], 0)])  # a right token for the old guess's position, not this one's
+    assert req.draft_state.budget.budget == 0 and not req.draft_state.budget.last_right
 
 
 def test_adaptive_ngram_skips_weak_matches_until_a_prediction_is_right():

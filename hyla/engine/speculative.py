@@ -322,7 +322,7 @@ class NgramDrafter(Drafter):
         """The drafts of a match of ``match`` tokens that the request's budget lets it feed."""
         if not self.adaptive or req.draft_state is None:  # None: never asked for drafts yet
             return drafts
-        return req.draft_state.budget.allow(drafts, match)
+        return req.draft_state.budget.allow(drafts, match, len(req.output_ids))
 
     def _continuations(self, req: Req, limit: int, k: int) -> tuple[list[list[int]], int]:
         """Up to ``k`` continuations of ``limit`` tokens: after the longest suffix that occurred
@@ -377,16 +377,19 @@ class DraftBudget:
         self.num_draft = num_draft
         self.budget = num_draft
         self.last_right = False  # the last scored prediction had at least one right token
-        self.guess: int | None = None  # this step's unfed first draft, scored by the verdict
+        # this step's unfed first draft, scored by the verdict, and the request's output length it follows (a
+        # guess of a step that never verified, its request retracted in between, is not scored later)
+        self.guess: int | None = None
+        self.guess_at = -1
 
-    def allow(self, drafts: list[int], match: int) -> list[int]:
+    def allow(self, drafts: list[int], match: int, at: int = -1) -> list[int]:
         """The drafts (of a suffix match of ``match`` tokens) to feed this step: its first
-        ``budget``, or none (the first kept as this step's guess)."""
+        ``budget``, or none (the first kept as this step's guess, after ``at`` output tokens)."""
         self.guess = None
         if not drafts:
             return []
         if self.budget == 0 or (match <= self.WEAK_MATCH and not self.last_right):
-            self.guess = drafts[0]
+            self.guess, self.guess_at = drafts[0], at
             return []
         return drafts[:self.budget]
 
@@ -395,7 +398,7 @@ class DraftBudget:
         its outcome."""
         if req.draft_ids:
             predicted, right = _depth(req), verdict.num_accepted
-        elif self.guess is not None:
+        elif self.guess is not None and self.guess_at == len(req.output_ids):
             predicted, right = 1, int(verdict.tokens[0] == self.guess)
         else:
             return  # nothing predicted: no match, or drafts proposed and then dropped
