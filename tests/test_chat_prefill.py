@@ -188,8 +188,8 @@ def _streamed_content(server, body: dict) -> str:
     return "".join(parts)
 
 
-@pytest.mark.parametrize("content", ["```json\n{", [{"type": "text", "text": "```json"},
-                                                     {"type": "text", "text": "\n{"}]], ids=["string", "text-parts"])
+@pytest.mark.parametrize("content", ["```json\n{", [{"type": "text", "text": "```json"},  # (a line each: this
+                                                     {"type": "text", "text": "{"}]], ids=["string", "text-parts"])  # template reads strings)
 def test_prefilled_chat_continues_the_assistant_message(server, engine, content):  # noqa: F811
     """The prompt is ``/tokenize``'s for the same body (the conversation cut right after the prefill),
     and the answer is the engine's greedy continuation of those ids, only the new text; streamed, the same."""

@@ -182,6 +182,41 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok, case: str) -
     )
 
 
+def test_a_messages_reasoning_reaches_the_template_under_each_name(tok: Tokenizer, hf_tok) -> None:
+    """A message's reasoning sent as ``reasoning`` (vLLM's, OpenRouter's name), ``thinking`` or
+    ``reasoning_content``: the template finds it under each name, as transformers passes it (a Qwen3 template
+    reads ``reasoning_content`` and dropped the others')."""
+    from hyla.tokenizer.chat_template import render_chat_template
+    template = ("{% for m in messages %}{{ m.role }}|{{ m.reasoning_content | default('-') }}|"
+                "{{ m.thinking | default('-') }}|{{ m.reasoning | default('-') }}|{{ m.content }}\n{% endfor %}")
+    for key in ("reasoning", "thinking", "reasoning_content"):
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", key: "hmm"}]
+        ours = render_chat_template(template, messages)
+        assert ours == hf_tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+        assert ours.splitlines()[1].startswith("assistant|hmm|hmm|"), ours
+    first = [{"role": "assistant", "content": "a", "reasoning": "late", "reasoning_content": "first"}]
+    assert render_chat_template(template, first) == "assistant|first|first|late|a\n"
+
+
+def test_text_parts_are_a_line_each_for_a_template_that_reads_content_as_a_string(tok: Tokenizer) -> None:
+    """A content of text parts (LangChain, the Agents SDK, LiteLLM send them): a template that does not loop over
+    parts gets their texts a line each (vLLM's "string" format); one that loops over ``content`` (or a variable or
+    macro argument of that name, as Qwen3.5's) gets the parts."""
+    from hyla.tokenizer.chat_template import ChatTemplate
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Translate this:"}, {"type": "text", "text": "Bonjour"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "Translate this:\nBonjour"}])
+    string = ChatTemplate("{% for m in messages %}{{ m.content }};{% endfor %}")
+    loops = ChatTemplate("{% for m in messages %}{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}")
+    macro = ChatTemplate("{% macro show(content) %}{% if content is string %}{{ content }}{% else %}"
+                         "{% for p in content %}<{{ p.text }}>{% endfor %}{% endif %}{% endmacro %}"
+                         "{% for m in messages %}{{ show(m.content) }}{% endfor %}")
+    assert (string.reads_content_parts, loops.reads_content_parts, macro.reads_content_parts) == (False, True, True)
+    assert string.render(parts, add_generation_prompt=False) == "Translate this:\nBonjour;"
+    assert loops.render(parts, add_generation_prompt=False) == "[Translate this:][Bonjour]"
+    assert macro.render(parts, add_generation_prompt=False) == "<Translate this:><Bonjour>"
+    assert string.render([{"role": "user", "content": []}], add_generation_prompt=False) == ";"
+
+
 def test_template_errors_are_value_errors(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="Unknown message role: robot"):
         tok.apply_chat_template([{"role": "robot", "content": "beep"}])

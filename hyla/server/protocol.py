@@ -634,16 +634,14 @@ class ChatMessage(BaseModel):
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template reads it: its text parts joined into one string; with images, a
-        list of ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts in order (a vision-language
-        template writes its image placeholder for each of the latter)."""
+        """The message as the chat template reads it: a content of parts a list of ``{"type": "text", "text"}``
+        and ``{"type": "image"}`` parts in order (a vision-language template writes its image placeholder for
+        each of the latter; a template that does not loop over parts gets text parts joined a line each:
+        ``ChatTemplate.render``)."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            if not self.image_urls():
-                msg["content"] = "".join(part.text for part in self.content)
-            else:
-                msg["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextContentPart)
-                                  else {"type": "image"} for p in self.content]
+            msg["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextContentPart)
+                              else {"type": "image"} for p in self.content]
         return msg
 
 

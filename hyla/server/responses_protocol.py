@@ -126,8 +126,12 @@ class MessageItem(_Strict):
 
     def chat_content(self) -> str | list[dict[str, Any]]:
         """The content as a chat message's: the text, or with images, text and ``image_url`` parts in order."""
-        if isinstance(self.content, str) or not any(isinstance(p, InputImagePart) for p in self.content):
-            return self.text()
+        if isinstance(self.content, str):
+            return self.content
+        if not any(isinstance(p, InputImagePart) for p in self.content):  # (several: a template joins them)
+            texts = [p.text for p in self.content if isinstance(p, InputTextPart)]
+            return texts[0] if len(texts) == 1 else "".join(texts) if not texts else [
+                {"type": "text", "text": t} for t in texts]
         return [{"type": "text", "text": p.text} if isinstance(p, InputTextPart)
                 else {"type": "image_url", "image_url": {"url": p.image_url}} for p in self.content]
 

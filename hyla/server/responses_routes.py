@@ -331,7 +331,9 @@ def with_instructions(instructions: str | None, conversation: list[dict[str, Any
     lead = 0
     while lead < len(conversation) and conversation[lead]["role"] in ("system", "developer"):
         lead += 1
-    parts = ([instructions] if instructions is not None else []) + [m["content"] for m in conversation[:lead]]
+    parts = ([instructions] if instructions is not None else []) + [
+        m["content"] if isinstance(m["content"], str) else "\n".join(p.get("text", "") for p in m["content"])
+        for m in conversation[:lead]]  # (a message of several text parts: a line each, as a template joins them)
     if instructions is None and lead <= 1:
         return conversation  # (one developer or system message stays itself: the template's own handling)
     return [{"role": "system", "content": "\n\n".join(parts)}, *conversation[lead:]]

@@ -177,7 +177,8 @@ def _check_tool_calls(calls: Any, where: str) -> None:
 def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Validate chat messages and return plain copies without ``None`` fields (as transformers does:
     OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key).
-    ``tool_calls`` must be well formed (``_check_tool_calls``): templates index into them."""
+    ``tool_calls`` must be well formed (``_check_tool_calls``): templates index into them. A message's
+    reasoning is under each of its names (``REASONING_FIELDS``), as transformers passes it."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -189,8 +190,22 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
         plain = {k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None}
         if "tool_calls" in plain:
             _check_tool_calls(plain["tool_calls"], f"messages[{i}]")
+        reasoning = next((plain[key] for key in REASONING_FIELDS if key in plain), None)
+        if reasoning is not None:  # (transformers' _alias_reasoning_fields: a template reads one of the names)
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
         out.append(plain)
     return out
+
+
+# the names a message's reasoning comes under (vLLM's and OpenRouter's ``reasoning``, gpt-oss templates'
+# ``thinking``), the first the one chat templates read: each filled from the first set, as transformers does
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _text_parts(content: Any) -> bool:
+    """Whether a message's ``content`` is a list of ``{"type": "text", "text": str}`` parts only."""
+    return isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
 
 
 class ChatTemplate:
@@ -216,6 +231,26 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"chat template does not compile: {e}") from e
 
+    @cached_property
+    def reads_content_parts(self) -> bool:
+        """Whether the template loops over a message's ``content`` (``{% for part in message.content %}``, or
+        over a variable or macro argument named ``content``): it renders a list of parts itself. vLLM's
+        detection of the "openai" content format, by the template's syntax tree."""
+        tree = self._compiled.environment.parse(self.source)
+
+        def names_content(node: jinja2.nodes.Node) -> bool:
+            if isinstance(node, jinja2.nodes.Name):
+                return node.name == "content"
+            if isinstance(node, jinja2.nodes.Getattr):
+                return node.attr == "content"
+            if isinstance(node, jinja2.nodes.Getitem):
+                return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+            if isinstance(node, jinja2.nodes.Filter):  # (``message.content | list``, ``... | selectattr(...)``)
+                return node.node is not None and names_content(node.node)
+            return False
+
+        return any(names_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -225,11 +260,15 @@ class ChatTemplate:
         documents: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render ``messages`` (the same result as transformers). ``template_kwargs`` become template
+        """Render ``messages`` (the same result as transformers; but a content of text parts, for a template that
+        does not loop over parts, is their texts joined a line each, as vLLM passes it). ``template_kwargs`` become template
         variables (special tokens such as ``bos_token``, or switches such as ``enable_thinking``). A
         template that calls ``raise_exception``, or that fails on the values it is given (a
         ``TypeError`` adding a number to a string, ...), raises ``ValueError``."""
         chat = check_messages(messages)
+        if not self.reads_content_parts:  # its text parts as one string, a line each (vLLM's "string" format)
+            chat = [{**m, "content": "\n".join(p["text"] for p in m["content"])} if _text_parts(m.get("content"))
+                    else m for m in chat]
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)
                                   or not all(isinstance(t, Mapping) for t in tools)):
             raise ValueError("tools must be a list of JSON-schema dicts")
