@@ -200,8 +200,15 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
     save_file({k: v[:0] if ".lora_A." in k else v[:, :0] for k, v in
                load_file(adapters["a"][0] / "adapter_model.safetensors").items()},
               zero_rank / "adapter_model.safetensors")
+    huge_b = tmp_path / "huge-b"  # finite in the file, infinite once scaled by lora_alpha / r
+    shutil.copytree(adapters["a"][0], huge_b)
+    save_file({k: v if ".lora_A." in k else torch.full_like(v, 3e38) for k, v in
+               load_file(adapters["a"][0] / "adapter_model.safetensors").items()}, huge_b / "adapter_model.safetensors")
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=2, max_lora_rank=4) as engine:
         for path, message in [
+                # an inf in a slot made every row of a mixed step NaN (0 x inf), the base model's too
+                (variant("overflow", lora_alpha=1e300), "not finite in torch.float32 once scaled"),
+                (huge_b, "not finite in torch.float32 once scaled"),
                 (zero_rank, "rank 0; ranks go from 1"),
                 (variant("pattern", alpha_pattern={"[": 16}), "not a regular expression"),
                 (variant("rslora", use_rslora="false"), "use_rslora must be true or false"),
@@ -224,6 +231,8 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
             engine.load_lora_adapter("a3", adapters["a"][0])
         with pytest.raises(ValueError, match="rank 8"):  # in place of a2: refused, and a2 stays
             engine.load_lora_adapter("a2", adapters["b"][0], replace=True)
+        with pytest.raises(ValueError, match="replace must be a bool"):
+            engine.load_lora_adapter("a2", adapters["a"][0], replace="yes")
         assert set(engine.lora_adapters()) == {"a", "a2"}
         for name in ("", 7, "a\n"):
             with pytest.raises(ValueError, match="name"):

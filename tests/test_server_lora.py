@@ -271,6 +271,8 @@ def test_load_and_unload_endpoints(shim_server, shim, adapter_root):
     assert "extra" not in shim.adapters
     error = _error(_post(shim_server, "/v1/unload_lora_adapter", {"lora_name": "extra"}), 404)
     assert error["param"] == "lora_name" and "'extra'" in error["message"]
+    for bad in ("x" * 300, "a\nb"):  # a name no adapter could have: a 400, as a load's
+        assert _error(_post(shim_server, "/v1/unload_lora_adapter", {"lora_name": bad}), 400)["param"] == "lora_name"
     _error(_post(shim_server, "/v1/chat/completions", _chat_body("extra")), 404)
     _error(httpx.get(url + "/v1/models/extra"), 404)
 

@@ -795,6 +795,8 @@ class Engine:
                              "(hyla serve --enable-lora)")
         check_lora_name(name)
         _check_timeout(timeout)
+        if not isinstance(replace, bool):
+            raise ValueError(f"replace must be a bool, got {type(replace).__name__}")
         self.loras.check_room(name, replace)  # (before reading: a full engine answers at once)
         try:
             adapter = read_adapter(path, self.model, self.model_path, self.args.max_lora_rank)

@@ -329,7 +329,12 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
         if not spec.moves_rows_only:
             raise ValueError(f"{what}, which hyla builds with more than moved rows (e.g. a multiplier folded "
                              f"in): not supported")
-        weights[module_name] = _low_rank(what, spec, parts, _source_rows(what, spec, parts, reader, module), module)
+        weights[module_name] = low = _low_rank(what, spec, parts, _source_rows(what, spec, parts, reader, module), module)
+        # finite as the slots hold it (scaled by lora_alpha / r, in the model's dtype): an inf in a slot would make
+        # every row of a mixed step NaN (0 x inf), the base model's too, and the cache would keep them
+        dtype = module.lora.at.dtype if module.lora is not None else torch.float32
+        if not all(torch.isfinite(t.to(dtype)).all() for t in low):
+            raise ValueError(f"{what}: its update is not finite in {dtype} once scaled by lora_alpha / r")
     digest = hashlib.sha256(config_bytes + data).hexdigest()[:16]
     return LoRAAdapter(str(path), max(a.shape[0] for a, _ in pairs.values()), digest, weights)
 

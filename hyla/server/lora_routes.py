@@ -113,8 +113,14 @@ class LoraRoutes:
         404s); a 404 where no adapter of that name is loaded."""
         from hyla.server.errors import APIError
 
+        from hyla.engine.lora_manager import check_lora_name
+
         engine = self.server.admit()
         name = body.lora_name
+        try:
+            check_lora_name(name)  # (a name no adapter could have: a 400, as a load's)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_name") from None
         try:
             await asyncio.to_thread(engine.unload_lora_adapter, name)
         except ValueError as exc:
