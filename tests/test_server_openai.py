@@ -464,6 +464,30 @@ def test_generate_input_ids_and_cached_tokens(server, engine):
     assert second["output_ids"] == first["output_ids"] and second["text"] == first["text"]
 
 
+def test_generate_takes_sglangs_frontend_fields(server, engine):
+    """What SGLang's frontend (``sglang.lang``) sends in ``sampling_params``: ``n`` 1, ``stop_regex`` none,
+    ``spaces_between_special_tokens``, and ``no_stop_trim`` (SGLang's ``include_stop_str_in_output``); the same
+    answer. ``n`` above 1 and a ``stop_regex`` are 400s naming them."""
+    ids = engine.tokenizer.encode("Native generate with SGLang's fields.")
+    plain = {"max_new_tokens": 6, "temperature": 0}
+    want = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": plain}, timeout=60).json()
+    sglang = {**plain, "n": 1, "stop_regex": None, "spaces_between_special_tokens": True, "no_stop_trim": False}
+    got = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": sglang}, timeout=60)
+    assert got.status_code == 200 and got.json()["output_ids"] == want["output_ids"], got.text
+    stop = engine.tokenizer.decode(want["output_ids"][2:4])
+    kept = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+        **plain, "stop": [stop], "no_stop_trim": True}}, timeout=60).json()
+    assert kept["text"].endswith(stop) and kept["meta_info"]["finish_reason"]["matched"] == stop
+    for bad, param in (({"n": 2}, "sampling_params.n"), ({"stop_regex": "a+"}, "sampling_params.stop_regex"),
+                       ({"no_stop_trim": True, "include_stop_str_in_output": False}, "sampling_params.no_stop_trim")):
+        r = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {**plain, **bad}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "spaces_between_special_tokens": False}, timeout=60)  # (vLLM's: accepted, no effect)
+    assert chat.status_code == 200, chat.text
+
+
 def test_generate_batch_and_logprobs(server):
     body = {"text": ["alpha beta", "gamma delta"], "return_logprob": True,
             "sampling_params": [{"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 4, "temperature": 0}]}

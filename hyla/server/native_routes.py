@@ -305,6 +305,30 @@ def _listed_fields(body: GenerateRequest) -> set[str]:
     return listed
 
 
+def _sglang_names(p: dict[str, Any], where: str) -> dict[str, Any]:
+    """SGLang's sampling fields the engine names otherwise or has no use for, as SGLang's own frontend sends
+    them (``sglang.lang``'s ``to_srt_kwargs``): ``no_stop_trim`` is ``include_stop_str_in_output``;
+    ``spaces_between_special_tokens`` changes nothing (a fast tokenizer's decode adds none either way); ``n``
+    of 1 and an empty ``stop_regex`` ask for nothing. ``n`` above 1 and a ``stop_regex`` are a 400."""
+    if "no_stop_trim" in p:
+        trim = p.pop("no_stop_trim")
+        if trim is not None:
+            if p.setdefault("include_stop_str_in_output", trim) != trim:
+                raise APIError(400, "no_stop_trim and include_stop_str_in_output differ", param=f"{where}.no_stop_trim")
+    spaces = p.pop("spaces_between_special_tokens", None)
+    if spaces is not None and not isinstance(spaces, bool):
+        raise APIError(400, f"spaces_between_special_tokens must be a bool, got {spaces!r}",
+                       param=f"{where}.spaces_between_special_tokens")
+    n = p.pop("n", None)
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise APIError(400, f"n must be 1 here, got {n!r}: send the prompt n times (a list of prompts)",
+                       param=f"{where}.n")
+    if p.pop("stop_regex", None):
+        raise APIError(400, "stop_regex is not supported: use stop (strings) or a regex grammar",
+                       param=f"{where}.stop_regex")
+    return p
+
+
 def _jobs(body: GenerateRequest) -> list[Job]:
     """One job per prompt; per-item lists (sampling_params, rid, checkpoints) must match the batch, and
     a batch's ``rid`` is a list (SGLang's rule: one id each, all different)."""
@@ -342,8 +366,9 @@ def _jobs(body: GenerateRequest) -> list[Job]:
     ckpts = [body.checkpoints or []] if single_ckpt else per_item("checkpoints")
     ckpts = ckpts * n if len(ckpts) == 1 else ckpts
     jobs = []
-    for prompt, p, rid, ck, start, prio, lora in zip(prompts, params, rids, ckpts, starts, priorities, loras):
-        p = dict(p or {})
+    for k, (prompt, p, rid, ck, start, prio, lora) in enumerate(zip(prompts, params, rids, ckpts, starts, priorities,
+                                                                  loras)):
+        p = _sglang_names(dict(p or {}), f"sampling_params.{k}" if "sampling_params" in listed else "sampling_params")
         if body.top_logprobs_num is not None:
             p.setdefault("top_logprobs_num", body.top_logprobs_num)
         jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid,

@@ -401,6 +401,9 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: the engine's min_new_tokens (at most the max tokens)
     skip_special_tokens: bool = True
+    # vLLM's: spaces between special tokens in the text, which a fast tokenizer's decode (hyla's) never adds
+    # either way: accepted, no effect
+    spaces_between_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     # vLLM's structured outputs (at most one constraint per request, response_format's included:
     # constraints()), the current form and the older guided_* fields
