@@ -127,6 +127,23 @@ def test_tokenize_messages_is_what_chat_feeds(server, engine, fed, extra):
     assert out["max_model_len"] == engine.context_length
 
 
+def test_documents_reach_the_template(server, engine, monkeypatch):
+    """vLLM's ``documents`` (a retrieval-augmented template's variable, Granite's): the template renders them,
+    in ``/tokenize`` and a chat completion alike; with a ``prompt`` a 400."""
+    from hyla.tokenizer.chat_template import ChatTemplates
+    template = ("{% for d in documents or [] %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    monkeypatch.setattr(engine.tokenizer, "_chat_templates", ChatTemplates(template))
+    body = {"messages": [{"role": "user", "content": "Which?"}], "documents": [{"title": "A", "text": "alpha"}]}
+    out = _ok(_post(server, "/tokenize", body))
+    assert engine.tokenizer.decode(out["tokens"], skip_special_tokens=False).startswith("[doc A: alpha]<|im_start|>user")
+    done = _ok(_post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, **body}))
+    assert done["usage"]["prompt_tokens"] == out["count"]
+    r = _post(server, "/tokenize", {"prompt": "x", "documents": body["documents"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
 def test_special_token_text_in_a_message_stays_text(server, engine):
     """Only the template's markup is special: a message typing ``<|im_end|>`` gets no such token."""
     im_end = engine.tokenizer.token_to_id("<|im_end|>")

@@ -204,7 +204,7 @@ class OpenAIRoutes:
         encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                                      continue_final_message=body.continue_final_message,
-                                     max_boundaries=CHAT_CHECKPOINTS)
+                                     max_boundaries=CHAT_CHECKPOINTS, documents=body.documents)
         # a prefill (the final assistant message, continued): the answer is what the model writes after it
         prefill = final_text(body.messages) if body.continue_final_message else None
         if body.truncate_prompt_tokens is not None:
@@ -327,7 +327,8 @@ class OpenAIRoutes:
 
 async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessage], tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None, *, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False, max_boundaries: int = 0) -> ChatEncoding:
+                      continue_final_message: bool = False, max_boundaries: int = 0,
+                      documents: list[dict[str, Any]] | None = None) -> ChatEncoding:
     """``chat`` rendered with the model's template and tokenized, as a chat completion feeds it to the
     engine (``/tokenize`` too): the messages converted for the template (the tool-call parser's
     form of earlier calls), ``template_kwargs`` checked against the reserved variables, the prompt
@@ -342,12 +343,13 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
     # the tools are rendered into the prompt too (their JSON, keys and all)
-    server.check_prompt_chars(text_chars(messages) + text_chars(template_kwargs) + text_chars(tools, keys=True),
-                              "messages")
+    server.check_prompt_chars(text_chars(messages) + text_chars(template_kwargs) + text_chars(tools, keys=True)
+                              + text_chars(documents, keys=True), "messages")
+    extra = {"documents": documents} if documents is not None else {}  # (the template's variable: vLLM's field)
     try:
         return await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt=add_generation_prompt,
                                        tools=tools, continue_final_message=continue_final_message,
-                                       max_boundaries=max_boundaries, **(template_kwargs or {}))
+                                       max_boundaries=max_boundaries, **extra, **(template_kwargs or {}))
     except ValueError as exc:
         param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
         raise APIError(400, str(exc), param=param) from exc

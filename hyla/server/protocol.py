@@ -747,6 +747,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a retrieval-augmented template (Granite's), its `documents` variable
+    documents: list[dict[str, Any]] | None = None
     # vLLM's: the images' preprocessing for this request (min_pixels / max_pixels; Engine.process_images)
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's: the template's generation prompt (the new assistant turn's header), or, instead, the final
@@ -763,7 +765,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
-    @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
+    @field_validator("messages", "tools", "chat_template_kwargs", "documents", mode="before")
     @classmethod
     def _check_nesting(cls, value: Any, info: ValidationInfo) -> Any:
         return check_chat_nesting(value, str(info.field_name))
@@ -892,7 +894,7 @@ def prefill_error(messages: list[ChatMessage] | None, add_generation_prompt: boo
 
 
 def check_chat_nesting(value: Any, field_name: str) -> Any:
-    """A chat field (``messages``, ``tools``, ``chat_template_kwargs``) of at most
+    """A chat field (``messages``, ``tools``, ``chat_template_kwargs``, ``documents``) of at most
     ``MAX_NESTING_DEPTH`` levels of lists and objects (checked before anything walks it), counted
     as the chat template counts them: from each message, from the tools list. Returns ``value``."""
     if field_name == "messages" and isinstance(value, list):
@@ -923,11 +925,13 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a retrieval-augmented template (Granite's), its `documents` variable
+    documents: list[dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # the images' preprocessing, as a chat completion's
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False  # also answer each token's vocabulary string
 
-    @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
+    @field_validator("messages", "tools", "chat_template_kwargs", "documents", mode="before")
     @classmethod
     def _check_nesting(cls, value: Any, info: ValidationInfo) -> Any:
         return check_chat_nesting(value, str(info.field_name))
@@ -940,7 +944,7 @@ class TokenizeRequest(_Request):
         if self.prompt is not None and self.messages is not None:
             return "messages", "give prompt or messages, not both"
         if self.prompt is not None:
-            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "documents"):
                 if name in self.model_fields_set:
                     return name, f"{name} goes with messages, not with prompt"
             return None

@@ -53,7 +53,8 @@ class TokenRoutes:
         if body.messages is not None:  # as /v1/chat/completions (no message boundaries: the cache's, a render each)
             ids = (await render_chat(self.server, tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
-                                     continue_final_message=body.continue_final_message)).ids
+                                     continue_final_message=body.continue_final_message,
+                                     documents=body.documents)).ids
             images = await chat_images(self.server, engine, body.messages, body.mm_processor_kwargs)
             if images:  # each placeholder repeated to its image's tokens: the prompt as the engine feeds it
                 try:
