@@ -517,6 +517,14 @@ def test_lfm2_calls_sent_back_are_written_as_the_model_wrote_them():
         '<|tool_call_start|>[f(ok=True, x=None, city="Paris", n=[1, 2.5])]<|tool_call_end|>'  # (as LFM2 writes)
     reads_calls = "{% for c in message.tool_calls %}{{ c }}{% endfor %}"
     assert parser.for_template([turn], reads_calls) == [turn] and parser.for_template([turn]) == [turn]
+    # a content of parts (a chat message's: ChatMessage.for_template): the block on its last text part
+    block = '<|tool_call_start|>[f(ok=True, x=None, city="Paris", n=[1, 2.5])]<|tool_call_end|>'
+    parts = [{"type": "text", "text": "A"}, {"type": "text", "text": "Checking."}]
+    assert parser.for_template([{"role": "assistant", "content": parts, "tool_calls": [one]}], "")[0]["content"] == \
+        [parts[0], {"type": "text", "text": "Checking." + block}] and parts[1]["text"] == "Checking."
+    image = [{"type": "image"}]
+    assert parser.for_template([{"role": "assistant", "content": image, "tool_calls": [one]}], "")[0]["content"] == \
+        [*image, {"type": "text", "text": block}]
 
 
 def test_vllm_and_sglang_names_of_qwens_syntax():

@@ -818,6 +818,22 @@ def test_items_become_chat_turns():
         {"role": "assistant", "content": "more"}]
 
 
+def test_instructions_and_leading_system_messages_are_one_system_message():
+    """``instructions`` and the leading system and developer messages: one system message, the messages apart
+    by a blank line and a message's text parts a line each; with an image, its parts in order (it was dropped)."""
+    from hyla.server.responses_routes import with_instructions
+    user = {"role": "user", "content": "q"}
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert with_instructions("Be brief.", [{"role": "developer", "content": parts}, user]) == [
+        {"role": "system", "content": "Be brief.\n\na\nb"}, user]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    merged = with_instructions("Be brief.", [{"role": "system", "content": [parts[0], image]}, user])
+    assert merged == [{"role": "system", "content": [{"type": "text", "text": "Be brief."},
+                                                      {"type": "text", "text": "\n\n"}, parts[0], image]}, user]
+    alone = [{"role": "developer", "content": parts}, user]
+    assert with_instructions(None, alone) == alone  # (one such message stays itself)
+
+
 def test_output_items_order_and_shape():
     rid = "resp_" + "0a" * 16
     ids = {"reasoning": "rs_1", "message": "msg_1", "response": rid}

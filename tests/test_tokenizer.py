@@ -184,7 +184,7 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok, case: str) -
 
 def test_a_messages_reasoning_reaches_the_template_under_each_name(tok: Tokenizer, hf_tok) -> None:
     """A message's reasoning sent as ``reasoning`` (vLLM's, OpenRouter's name), ``thinking`` or
-    ``reasoning_content``: the template finds it under each name, as transformers passes it (a Qwen3 template
+    ``reasoning_content``: the template finds it as reasoning_content and thinking, as transformers passes it (a Qwen3 template
     reads ``reasoning_content`` and dropped the others')."""
     from hyla.tokenizer.chat_template import render_chat_template
     template = ("{% for m in messages %}{{ m.role }}|{{ m.reasoning_content | default('-') }}|"

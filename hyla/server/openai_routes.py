@@ -433,11 +433,12 @@ class AnswerStream:
 
 
 def final_text(chat: list[ChatMessage]) -> str:
-    """The text of a chat's final message (its text parts joined, as the template sees them): what a
-    prefill (``continue_final_message``) has the model continue."""
+    """The text of a chat's final message (its text parts a line each, as a template that reads content as a
+    string sees them: ``ChatTemplate.render``): what a prefill (``continue_final_message``) has the model
+    continue."""
     content = chat[-1].for_template().get("content")
-    if isinstance(content, list):  # (with images: the text parts)
-        return "".join(part.get("text", "") for part in content)
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content if part.get("type") == "text")
     return content if isinstance(content, str) else ""
 
 

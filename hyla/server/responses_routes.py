@@ -331,12 +331,17 @@ def with_instructions(instructions: str | None, conversation: list[dict[str, Any
     lead = 0
     while lead < len(conversation) and conversation[lead]["role"] in ("system", "developer"):
         lead += 1
-    parts = ([instructions] if instructions is not None else []) + [
-        m["content"] if isinstance(m["content"], str) else "\n".join(p.get("text", "") for p in m["content"])
-        for m in conversation[:lead]]  # (a message of several text parts: a line each, as a template joins them)
     if instructions is None and lead <= 1:
         return conversation  # (one developer or system message stays itself: the template's own handling)
-    return [{"role": "system", "content": "\n\n".join(parts)}, *conversation[lead:]]
+    pieces = ([[{"type": "text", "text": instructions}]] if instructions is not None else []) + [
+        [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else list(m["content"])
+        for m in conversation[:lead]]
+    if all(p["type"] == "text" for piece in pieces for p in piece):  # (text parts a line each, as a template's)
+        content: Any = "\n\n".join("\n".join(p["text"] for p in piece) for piece in pieces)
+    else:  # (with an image: the parts in order, the messages apart)
+        content = [p for k, piece in enumerate(pieces) for p in ([{"type": "text", "text": "\n\n"}] if k else [])
+                   + piece]
+    return [{"role": "system", "content": content}, *conversation[lead:]]
 
 
 def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any],

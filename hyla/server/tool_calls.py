@@ -162,8 +162,8 @@ class ToolCallParser:
             return [{**m, "tool_calls": [_decoded_arguments(c) for c in m["tool_calls"]]} if calling(m) else m
                     for m in messages]
         if self.body == "python" and template is not None and "tool_calls" not in template:
-            return [{**m, "content": (m.get("content") or "") + python_call_block(m["tool_calls"])} if calling(m)
-                    else m for m in messages]
+            return [{**m, "content": _with_text_after(m.get("content"), python_call_block(m["tool_calls"]))}
+                    if calling(m) else m for m in messages]
         return messages
 
     def stream(self, tools: list[dict[str, Any]] | None = None, incremental: bool = False) -> ToolCallStream:
@@ -202,6 +202,16 @@ class ToolCallParser:
         call = f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"  # a block a call
         start = "call (\"\\n\" call)*" if parallel else "call"
         return f"start: {start}\n" + call + body
+
+
+def _with_text_after(content: Any, text: str) -> Any:
+    """A message's ``content`` (a string, or a list of parts) with ``text`` written right after it: on its last
+    text part, or in a part of its own after a part of another kind."""
+    if not isinstance(content, list):
+        return (content or "") + text
+    if content and isinstance(content[-1], dict) and content[-1].get("type") == "text":
+        return [*content[:-1], {**content[-1], "text": content[-1].get("text", "") + text}]
+    return [*content, {"type": "text", "text": text}]
 
 
 def detect_tool_call_parser(template: str | None, architecture: str = "") -> str:

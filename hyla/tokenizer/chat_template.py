@@ -178,7 +178,8 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     """Validate chat messages and return plain copies without ``None`` fields (as transformers does:
     OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key).
     ``tool_calls`` must be well formed (``_check_tool_calls``): templates index into them. A message's
-    reasoning is under each of its names (``REASONING_FIELDS``), as transformers passes it."""
+    reasoning (the first of ``REASONING_FIELDS`` it has) is also its ``reasoning_content`` and, unless set,
+    its ``thinking``, as transformers passes it."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -198,7 +199,8 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 
 
 # the names a message's reasoning comes under (vLLM's and OpenRouter's ``reasoning``, gpt-oss templates'
-# ``thinking``), the first the one chat templates read: each filled from the first set, as transformers does
+# ``thinking``), the first the one chat templates read: it and ``thinking`` filled from the first set, as
+# transformers' _alias_reasoning_fields does
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
