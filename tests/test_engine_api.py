@@ -597,6 +597,7 @@ def test_generation_config_defaults_fill_unset_sampling_params():
     ids = list(range(5, 25))
     with Engine() as eng:
         assert eng.sampling_defaults == {"temperature": 0.7, "top_p": 0.9}
+        assert eng.default_max_new_tokens == 256  # (the file's max_new_tokens: the server's default max_tokens)
         implicit = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24})
         explicit = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24,
                                                                 "temperature": 0.7, "top_p": 0.9})
@@ -604,7 +605,7 @@ def test_generation_config_defaults_fill_unset_sampling_params():
                                                            "temperature": 1.0, "top_p": 1.0})
         assert implicit["output_ids"] == explicit["output_ids"] != hot["output_ids"]
     with Engine(generation_config="none") as eng:
-        assert eng.sampling_defaults == {}
+        assert eng.sampling_defaults == {} and eng.default_max_new_tokens is None
         plain = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24})
         assert plain["output_ids"] == hot["output_ids"]
 

@@ -464,6 +464,18 @@ def test_generate_input_ids_and_cached_tokens(server, engine):
     assert second["output_ids"] == first["output_ids"] and second["text"] == first["text"]
 
 
+def test_a_chat_without_max_tokens_gets_the_generation_configs_max_new_tokens(server, engine, monkeypatch):
+    """vLLM's default ``max_tokens``: the model's ``generation_config.json`` ``max_new_tokens`` where it sets one
+    (``Engine.default_max_new_tokens``), else up to the context; a request's own ``max_tokens`` wins."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "temperature": 0,
+            "ignore_eos": True}
+    monkeypatch.setattr(engine, "default_max_new_tokens", 3)
+    capped = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert capped["usage"]["completion_tokens"] == 3 and capped["choices"][0]["finish_reason"] == "length"
+    own = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=60).json()
+    assert own["usage"]["completion_tokens"] == 5
+
+
 def test_generate_takes_sglangs_frontend_fields(server, engine):
     """What SGLang's frontend (``sglang.lang``) sends in ``sampling_params``: ``n`` 1, ``stop_regex`` none,
     ``spaces_between_special_tokens``, and ``no_stop_trim`` (SGLang's ``include_stop_str_in_output``); the same

@@ -166,7 +166,7 @@ class EngineArgs:
                                                          "step can cost more than its drafts save. Seeded sampled "
                                                          "outputs then depend on the load. Default: always draft.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
-    generation_config: str = _opt("auto", "Sampling defaults for requests that do not set them: 'auto' = the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), 'none' = hyla's.")
+    generation_config: str = _opt("auto", "Sampling defaults for requests that do not set them: 'auto' = the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; its max_new_tokens caps an OpenAI-style request's default max_tokens, as vLLM's), 'none' = hyla's.")
     tokenizer_path: str | None = _opt(
         None, "The directory whose tokenizer is read (tokenizer.json or a tiktoken file, with its "
               "tokenizer_config.json, chat_template.jinja and the end of sequence ids of its "

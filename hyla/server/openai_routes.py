@@ -551,14 +551,16 @@ def thinking_first(server: Server, prompt: str, params: dict[str, Any], prefill:
 
 
 def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
-    """The engine's max_new_tokens (None = up to the context length). A prompt that leaves no room
-    is a 400 naming the field to change (checked here, before the engine walks the ids)."""
+    """The engine's max_new_tokens: ``requested``, or where the request sets none, up to the context length and
+    at most the model's ``generation_config.json`` ``max_new_tokens`` (vLLM's default ``max_tokens``). A prompt
+    that leaves no room is a 400 naming the field to change (checked here, before the engine walks the ids)."""
     context = engine.context_length
     if prompt_len >= context:
         raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}",
                        param=prompt_param, code="context_length_exceeded")
     if requested is None:
-        return context - prompt_len
+        default = getattr(engine, "default_max_new_tokens", None)
+        return context - prompt_len if default is None else min(default, context - prompt_len)
     if prompt_len + requested > context:
         raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
                             f"length ({context})", param=max_param, code="context_length_exceeded")
