@@ -543,6 +543,31 @@ def _fake_worker():
     return app, state
 
 
+@pytest.mark.parametrize("path, words", [("/update_weights_from_disk", "serve the old weights"),
+                                         ("/v1/load_lora_adapter", "lack it"),
+                                         ("/v1/unload_lora_adapter", "still serve it")])
+def test_a_broadcast_that_must_reach_every_worker_waits_for_the_unhealthy(path, words):
+    """A weight update, an adapter's load and its unload need every worker: with one unhealthy, a 503 naming it
+    and none is sent (an unload that skipped it left that worker serving the adapter, behind a 200)."""
+    sick_app, sick = _fake_worker()
+    well_app, _ = _fake_worker()
+    sent: list[str] = []
+
+    @well_app.post(path)
+    async def took():
+        sent.append(path)
+        return JSONResponse({})
+
+    sick["healthy"] = False
+    with _Uvicorn(sick_app) as a, _Uvicorn(well_app) as b, \
+            _Uvicorn(create_router_app([a.url, b.url], health_interval=0.1)) as r:
+        while [w["healthy"] for w in httpx.get(r.url + "/workers").json()["workers"]] != [False, True]:
+            time.sleep(0.05)
+        answer = httpx.post(r.url + path, json={"lora_name": "sql", "lora_path": "/x", "model_path": "/x"})
+        assert answer.status_code == 503 and words in answer.json()["error"]["message"] and a.url in answer.text
+        assert sent == []
+
+
 def test_a_worker_silent_on_a_broadcast_fails_it_in_time(monkeypatch):
     """A worker hung on ``/abort_request`` (or ``/flush_cache``) held the operator's request forever: past
     ``BROADCAST_SECONDS`` it has failed it, a 502 naming it."""

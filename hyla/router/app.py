@@ -100,7 +100,7 @@ PROMPT_PATHS = ("/v1/completions", "/generate")  # the routed paths whose prompt
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk", "/v1/load_lora_adapter",
                    "/v1/unload_lora_adapter")
 # broadcasts a worker that is down misses for good (it would serve without them once back): all or none
-ALL_WORKERS_PATHS = ("/update_weights_from_disk", "/v1/load_lora_adapter")
+ALL_WORKERS_PATHS = ("/update_weights_from_disk", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # the longest a worker may take to answer a broadcast before it has failed it (a worker hung there would hold the
 # operator's request forever): an abort is answered at once, a flush waits for the engine to be idle (60 s at
 # most, Engine.flush_cache); loading weights takes as long as the checkpoint does (no limit)
@@ -879,8 +879,9 @@ class RouterApp:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
         if path in ALL_WORKERS_PATHS and len(live) < len(everyone):
             down = [w.url for w, _ in everyone if not w.healthy]
-            what = ("the weights were not updated", "serve the old weights") if path == "/update_weights_from_disk" \
-                else ("the LoRA adapter was not loaded", "lack it")
+            what = {"/update_weights_from_disk": ("the weights were not updated", "serve the old weights"),
+                    "/v1/load_lora_adapter": ("the LoRA adapter was not loaded", "lack it"),
+                    "/v1/unload_lora_adapter": ("the LoRA adapter was not unloaded", "still serve it")}[path]
             return JSONResponse(error_body(f"{what[0]}: workers {down} are unhealthy, and would {what[1]} once back"),
                                 status_code=503)
         answers = await self._send_to_each(request, path, raw, [w for w, _ in live])
