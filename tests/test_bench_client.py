@@ -42,6 +42,7 @@ def _make_app(log: list[dict]) -> FastAPI:
     @app.middleware("http")
     async def record_path(request: Request, call_next):
         state["paths"].append(request.url.path)  # every request the stub got, whatever its route
+        state.setdefault("auth", []).append(request.headers.get("authorization"))
         return await call_next(request)
 
     def cached_prefix(words: list[str]) -> int:
@@ -86,7 +87,11 @@ def _make_app(log: list[dict]) -> FastAPI:
                 await asyncio.sleep(SLOW_DELAY if fault == "slow" else FIRST_DELAY if i == 0 else TOKEN_DELAY)
                 piece = f"w{i} "
                 text += piece
-                if kind == "chat":
+                thinking = next((int(w.split("=", 1)[1]) for w in words if w.startswith("THINK=")), 0)
+                if kind == "chat" and i < thinking:  # (a thinking model's first tokens: reasoning_content)
+                    text = text[:-len(piece)]
+                    event = {"choices": [{"index": 0, "delta": {"reasoning_content": piece}}]}
+                elif kind == "chat":
                     event = {"choices": [{"index": 0, "delta": {"content": piece}}]}
                 elif kind == "completions":
                     event = {"choices": [{"index": 0, "text": piece}]}
@@ -188,6 +193,39 @@ def test_one_request_times_ttft_itl_and_reads_usage(server, backend):
     assert r.latency >= r.ttft + sum(r.itl)  # the end of the stream comes after its last chunk
     assert r.tpot == pytest.approx((r.latency - r.ttft) / 4)
     assert log[-1]["max_tokens"] == 5
+
+
+def test_a_thinking_models_reasoning_tokens_are_timed_but_not_its_text(server):
+    """``delta.reasoning_content`` (``hyla serve --reasoning-parser``) is output: the first token is the first
+    reasoning token's, each chunk a gap; the reply's text (a conversation's next turn) is the content only. An
+    answer still thinking at ``max_tokens`` completed (it was 'the stream carried no output')."""
+    base_url, _, _ = server
+
+    async def go(content: str, max_tokens: int) -> RequestResult:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            return await send_request(client, "openai-chat", "m", [{"role": "user", "content": content}], max_tokens)
+
+    r = asyncio.run(go("a b THINK=3", 5))
+    assert r.success and r.text == "w3 w4 " and len(r.itl) == 4, r
+    assert FIRST_DELAY * 0.9 <= r.ttft < FIRST_DELAY + 3 * TOKEN_DELAY
+    still = asyncio.run(go("a b THINK=9", 4))
+    assert still.success and still.text == "" and len(still.itl) == 3
+
+
+def test_the_api_key_goes_with_every_request_and_not_into_the_output_file(server, tmp_path, capsys, monkeypatch):
+    """``--api-key`` (else ``OPENAI_API_KEY``): 'Authorization: Bearer KEY' on every request, the model list
+    and the flush included; the output file leaves it out."""
+    base_url, _, counters = server
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "2", "--random-input-len", "4",
+            "--random-output-len", "2", "--disable-tqdm", "--flush-cache"]
+    assert hyla_main([*argv, "--api-key", "sekret", "--output-file", str(out)]) == 0
+    assert counters["auth"] and set(counters["auth"]) == {"Bearer sekret"}
+    assert "sekret" not in out.read_text() and "api_key" not in json.loads(out.read_text())["config"]
+    counters["auth"].clear()
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    assert hyla_main(argv) == 0 and set(counters["auth"]) == {"Bearer from-env"}
+    capsys.readouterr()
 
 
 def test_http_error_is_a_failed_result_not_an_exception(server):
@@ -451,7 +489,7 @@ def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkey
     parser = argparse.ArgumentParser(prog="hyla bench")
     bench_cli.add_arguments(parser)
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 23
+    assert len(options) == 24
     for action in options:
         flag = max(action.option_strings, key=len)
         assert flag in out

@@ -126,6 +126,15 @@ async def iter_sse(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     raise StreamError("the stream ended without [DONE] (broken stream)")
 
 
+def _delta_reasoning(backend: str, event: dict[str, Any]) -> str:
+    """A chat stream's reasoning delta (``--reasoning-parser``'s ``reasoning_content``): output the timings count,
+    not the answer's text (a conversation's next turn takes the content only)."""
+    if backend != "openai-chat":
+        return ""
+    choices = event.get("choices") or []
+    return ((choices[0].get("delta") or {}).get("reasoning_content") or "") if choices else ""
+
+
 def _delta_text(backend: str, event: dict[str, Any], text_so_far: str) -> str:
     if backend == "hyla":
         return event.get("text", "")[len(text_so_far):]  # native events carry the cumulative text
@@ -208,13 +217,14 @@ async def _stream(client: httpx.AsyncClient, backend: str, path: str, payload: d
         async for event in iter_sse(response):
             try:
                 delta = _delta_text(backend, event, result.text)
-                if not isinstance(delta, str):
+                thought = _delta_reasoning(backend, event)
+                if not isinstance(delta, str) or not isinstance(thought, str):
                     raise TypeError(f"text of type {type(delta).__name__}")
                 _read_usage(backend, event, result)
             except (AttributeError, TypeError, ValueError, KeyError, IndexError):
                 raise StreamError(f"malformed event: {json.dumps(event)[:200]}") from None
             now = time.perf_counter()
-            if delta:
+            if delta or thought:  # (a thinking model's first token is its reasoning's)
                 if num_chunks == 0:
                     result.ttft = now - start
                 else:

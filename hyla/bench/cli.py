@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 
 import httpx
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--backend", choices=BACKENDS, default="openai",
                         help="Which API to drive: openai = /v1/completions, openai-chat = /v1/chat/completions, "
                              "hyla = the native /generate (default: %(default)s).")
+    server.add_argument("--api-key", default=None, metavar="KEY",
+                        help="The server's API key (hyla serve --api-key), sent as 'Authorization: Bearer KEY' "
+                             "(default: the OPENAI_API_KEY environment variable, if set; never written to "
+                             "--output-file).")
     server.add_argument("--model", default=None,
                         help="Model name sent in OpenAI requests (default: the first one the server's /v1/models "
                              "lists).")
@@ -105,21 +110,28 @@ def check_base_url(base_url: str) -> None:
         raise ValueError(f"--base-url must be an http:// or https:// URL with a host, got {base_url!r}")
 
 
-def served_model(base_url: str, timeout: float | None) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers that send ``api_key`` (else the ``OPENAI_API_KEY`` environment variable's), as the
+    openai client sends it; none without a key."""
+    key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def served_model(base_url: str, timeout: float | None, headers: dict[str, str] | None = None) -> str:
     """The first model id a server lists at ``GET /v1/models`` (what OpenAI clients would pick);
     ``ValueError`` when the server does not answer with such a list."""
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
+        resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout, headers=headers)
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
         raise ValueError(f"could not read the model name from {base_url}/v1/models ({e}); pass --model") from e
 
 
-def flush_cache(base_url: str, timeout: float | None) -> None:
+def flush_cache(base_url: str, timeout: float | None, headers: dict[str, str] | None = None) -> None:
     """Empty the server's prefix cache (``POST /flush_cache``); ValueError if it does not."""
     try:
-        resp = httpx.post(base_url.rstrip("/") + "/flush_cache", timeout=timeout)
+        resp = httpx.post(base_url.rstrip("/") + "/flush_cache", timeout=timeout, headers=headers)
     except httpx.HTTPError as e:
         raise ValueError(f"could not flush the cache at {base_url}/flush_cache ({e})") from e
     if resp.status_code != 200:
@@ -157,12 +169,13 @@ def run(args: argparse.Namespace) -> int:
         priorities = assign_priorities(len(sessions), args.priority_share, args.priority, args.seed)
         # the first requests to the server: every option has been checked above
         http_timeout = None if math.isinf(args.timeout) else args.timeout
-        args.model = args.model or served_model(args.base_url, http_timeout)
+        headers = auth_headers(args.api_key)
+        args.model = args.model or served_model(args.base_url, http_timeout, headers)
         if args.flush_cache:
-            flush_cache(args.base_url, http_timeout)
+            flush_cache(args.base_url, http_timeout, headers)
         results, duration = asyncio.run(run_benchmark(
             args.base_url, sessions, args.backend, args.model, args.request_rate, args.max_concurrency,
-            args.seed, not args.disable_tqdm, args.timeout, priorities, args.warmup_requests))
+            args.seed, not args.disable_tqdm, args.timeout, priorities, args.warmup_requests, headers))
     except ValueError as e:
         print(f"hyla bench: error: {e}", file=sys.stderr)
         return 2
@@ -170,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(summary))
     if args.output_file:
         record = {
-            "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
+            "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
+                       if k not in ("api_key", "given_argv")},  # (the key is a secret: never written, nor the argv)
             "summary": summary,
             "requests": [
                 {"session_id": r.session_id, "turn_id": r.turn_id, "priority": r.priority, "success": r.success,

@@ -108,12 +108,13 @@ async def run_benchmark(
     timeout_s: float | None = 600.0,
     priorities: Sequence[int | None] | None = None,
     warmup_requests: int = 0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Run every session; returns the per-request results and the wall-clock duration (s), both
     without the ``warmup_requests`` warm-ups (``WarmupError`` when one fails).
     ``timeout_s`` limits each whole request, from its send (after any wait for a
     ``max_concurrency`` slot) to the end of its stream; a request past it counts as failed
-    (None or inf: no limit)."""
+    (None or inf: no limit). ``headers``: sent with every request (an API key's ``Authorization``)."""
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"the timeout must be positive, got {timeout_s}")
     if timeout_s is not None and math.isinf(timeout_s):
@@ -131,7 +132,7 @@ async def run_benchmark(
     total = sum(s.num_turns for s in sessions)
     progress = tqdm(total=total, desc="requests", disable=not show_progress)
     limits = httpx.Limits(max_connections=max_concurrency or max(len(sessions), warmup_requests, 1))
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits, headers=headers) as client:
         if warmup_requests:
             rng = random.Random(f"warmup-{seed}")
             warmups = await asyncio.gather(*(
