@@ -15,6 +15,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -58,6 +59,23 @@ def _cutting_worker():
             yield b'data: {"text": "a"}\n\ndata: {"te'
             await asyncio.sleep(0.2)
             yield b'xt": "b"}\n\ndata: [DONE]'
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/messages")
+    async def messages():
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 0}}
+
+        def event(kind: str, **fields) -> bytes:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+        async def events():
+            yield event("message_start", message=message)
+            yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": "Hello"})
+            yield b'event: content_block_delta\ndata: {"type": "content_bl'
+            await asyncio.sleep(0.2)
+            raise RuntimeError("the worker died mid-event")
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/responses")
@@ -106,6 +124,28 @@ def test_a_worker_dying_mid_event_leaves_the_client_no_half_event():
         with httpx.stream("POST", r.url + "/generate", json={"text": "x", "stream": True}, timeout=30) as s:
             assert s.read() == b'data: {"text": "a"}\n\ndata: {"text": "b"}\n\ndata: [DONE]'
         assert _workers_info(r.url)[0]["in_flight"] == 0
+
+
+def test_an_anthropic_stream_cut_by_its_worker_ends_with_its_error_event():
+    """An Anthropic stream (``/v1/messages``) whose worker dies ends as a worker's own failed one does: an
+    ``error`` event, which Anthropic's SDK raises (chat's unnamed ``data: {"error"}`` and ``[DONE]`` it skipped:
+    the client saw a message cut short and no error)."""
+    import anthropic
+
+    body = {"model": "m", "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with _Uvicorn(_cutting_worker()) as fake, _Uvicorn(create_router_app([fake.url], health_interval=3600)) as r:
+        with httpx.stream("POST", r.url + "/v1/messages", json=body, timeout=30) as s:
+            text = s.read().decode()
+        events = [e.split("\n") for e in text.split("\n\n") if e.strip()]
+        assert [e[0] for e in events] == ["event: message_start", "event: content_block_start",
+                                          "event: content_block_delta", "event: error"], text
+        error = json.loads(events[-1][1].removeprefix("data: "))
+        assert error["type"] == "error" and "failed mid-stream" in error["error"]["message"]
+        r.server.config.app.state.router.workers[0].healthy = True  # (as if its health check had passed)
+        client = anthropic.Anthropic(base_url=r.url, api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(anthropic.APIError, match="failed mid-stream"):
+            for _ in client.messages.create(**body):
+                pass
 
 
 def test_a_responses_stream_cut_by_its_worker_ends_with_openais_failure_events():

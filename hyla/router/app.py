@@ -610,7 +610,7 @@ class RouterApp:
                 try:
                     return self._answer(upstream, w, i, remember=path in ("/v1/responses", "/v1/conversations")
                                         and request.method == "POST", head=request.method == "HEAD",
-                                        responses=path == "/v1/responses")
+                                        api={"/v1/responses": "responses", "/v1/messages": "messages"}.get(path, "chat"))
                 except BaseException:
                     self._done(w)
                     await upstream.aclose()
@@ -822,13 +822,13 @@ class RouterApp:
         self.in_flight.labels(w.url).dec()
 
     def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool, head: bool = False,
-                responses: bool = False) -> Response:
+                api: str = "chat") -> Response:
         """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
         the worker's connection closes, when the last chunk is sent or the client has gone (even
         before the first chunk: ``_Relay``). A worker that fails mid-answer is marked unhealthy, and a
         stream ends as the worker's own failed streams do, without the event it was cut in (``_EventCut``):
-        an error event, then ``[DONE]``; a Responses stream (``responses``: a ``POST /v1/responses``), OpenAI's
-        ``error`` and ``response.failed`` events. ``remember``: the id of what the answer made (a response, a
+        an error event, then ``[DONE]``; ``api`` ``responses`` (a ``POST /v1/responses``), OpenAI's ``error`` and
+        ``response.failed`` events; ``messages`` (Anthropic's), its ``error`` event. ``remember``: the id of what the answer made (a response, a
         conversation) is read from its first bytes, and the worker remembered as its owner."""
         closed = False
         events = upstream.headers.get("content-type", "").startswith("text/event-stream")
@@ -859,7 +859,7 @@ class RouterApp:
                 self._fail(w, f"failed mid-answer ({exc!r})")
                 if cut is None:
                     raise  # (the client's connection is dropped: a whole answer cut short must not look complete)
-                yield cut.failed(f"worker {w.url} failed mid-stream", responses=responses)  # (the cut event dropped)
+                yield cut.failed(f"worker {w.url} failed mid-stream", api)  # (the cut event dropped)
             finally:
                 await close()
         return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream, head)
@@ -1002,12 +1002,17 @@ class _EventCut:
             self.sequence_number = int(m.group(1))
         return out
 
-    def failed(self, message: str, responses: bool) -> bytes:
-        """The stream's end after the worker failed (what it held back of a cut event dropped): chat's error
-        event and ``[DONE]``; for a Responses stream OpenAI's ``error`` event (``code`` ``worker_failed``) and,
-        once the response was created, ``response.failed`` with it (``status`` failed, ``error``)."""
+    def failed(self, message: str, api: str = "chat") -> bytes:
+        """The stream's end after the worker failed (what it held back of a cut event dropped), as the ``api``'s
+        own failed streams end: chat's error event and ``[DONE]``; an Anthropic stream (``messages``) its
+        ``error`` event (an SDK raises it); a Responses stream (``responses``) OpenAI's ``error`` event (``code``
+        ``worker_failed``) and, once the response was created, ``response.failed`` with it (``status``
+        failed, ``error``)."""
         self.pending = b""
-        if not responses:
+        if api == "messages":
+            error = {"type": "error", "error": {"type": "api_error", "message": message}}
+            return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+        if api != "responses":
             error = error_body(message, type="bad_gateway", code="worker_failed")
             return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         seq = (self.sequence_number + 1) if self.sequence_number is not None else 0
