@@ -1318,6 +1318,11 @@ def test_an_abort_while_the_prompt_moves_reaches_the_request():
         answer = moving("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"abort_all": True})
         assert answer.status_code == 200 and seen["imports"] == 1 and steps[4:5] == ["started"]
         assert seen["served"][2:] == [("/v1/chat/completions", "1")] and not router.moves
+        # a chat's own rid (one per choice: a list) reaches it as /generate's does (it was lost: the request served)
+        answer = moving("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                 "rid": ["c1", "c2"]}, {"rid": "c2"})
+        assert answer.status_code == 200 and seen["imports"] == 1
+        assert seen["served"][3:] == [("/v1/chat/completions", "1")] and not router.moves
 
 
 def test_answers_the_router_cannot_read_cost_only_the_saving():

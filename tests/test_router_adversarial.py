@@ -242,7 +242,7 @@ def test_an_abort_body_is_read_only_while_a_prompt_moves_and_off_the_loop_when_l
         loop_thread = threading.get_ident()
         await state.note_abort(b'{"abort_all": true}')
         assert read_on == []  # (nothing moves: nothing to read)
-        move = Move("r1")
+        move = Move(frozenset({"r1"}))
         state.moves.add(move)
         await state.note_abort(b'{"rid": "r2"}')
         assert read_on == [loop_thread] and not move.aborted.is_set()

@@ -314,7 +314,9 @@ class Move:
     worker's 409 until the request is sent to it: no worker knows the request meanwhile, so an
     ``/abort_request`` for it (its ``rid``, or ``abort_all``) is kept here (``RouterApp.note_abort``)."""
 
-    rid: str | None  # a /generate request's own rid (the other endpoints take none: only abort_all reaches them)
+    # the request's own rids (a body's ``rid``: a string, or one per choice or prompt, on /generate and the OpenAI
+    # endpoints alike); none given, only abort_all reaches it
+    rids: frozenset[str] = frozenset()
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -579,8 +581,9 @@ class RouterApp:
                     # it computed nothing: the prompt is long and new to it, a prefill worker computes it for it
                     ask, pinned = False, i
                     held = str(header_count(upstream.headers.get(CACHED_TOKENS_HEADER)) or 0)  # (its KV stays home)
-                    rid = body.get("rid") if path == "/generate" else None
-                    move = Move(rid if isinstance(rid, str) else None)
+                    rid = body.get("rid")
+                    move = Move(frozenset([rid] if isinstance(rid, str) else
+                                          [r for r in rid if isinstance(r, str)] if isinstance(rid, list) else []))
                     self.moves.add(move)
                     prefix = await self._unless_aborted(move, self.prefill(request, path, raw, key,
                                                                            {**headers, KV_FROM_HEADER: held}))
@@ -639,7 +642,7 @@ class RouterApp:
             return
         rid, everyone = target
         for move in list(self.moves):
-            if everyone or move.rid == rid:
+            if everyone or rid in move.rids:
                 move.aborted.set()
 
     @staticmethod
