@@ -16,6 +16,7 @@ import time
 
 import argparse
 import asyncio
+import signal
 
 import httpx
 import openai
@@ -1099,8 +1100,9 @@ def test_worker_argv_drops_what_a_worker_does_not_inherit():
 def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_path):
     """``hyla serve --dp-size 2 --prefill-workers 1``: two decode workers, a prefill worker and the router in
     one command; a first turn's prompt is computed by the prefill worker (the decode worker finds it cached),
-    a later turn is cached; the key (``--api-key``) is the router's and the workers'; SIGINT stops the
-    workers too."""
+    a later turn is cached; the key (``--api-key``) is the router's and the workers'; SIGTERM (a container's stop)
+    stops the workers too and exits 0 (uvicorn re-raised it after its shutdown, which killed the command there:
+    status -15, the workers left running)."""
     from test_server_cli import ServeProcess
 
     server = ServeProcess(["--model", str(make_chat_model(tiny_ckpt_dir)), "--served-model-name", MODEL, "--dp-size",
@@ -1120,7 +1122,7 @@ def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_pa
                      {"role": "user", "content": "And a second one?"}]
         assert _chat(via, messages).usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
     finally:
-        code = server.stop()
+        code = server.stop(signal.SIGTERM)
     assert code == 0, server.log()
     for w in info["workers"] + info["prefill_workers"]:  # the workers are gone with the command
         with pytest.raises(httpx.TransportError):

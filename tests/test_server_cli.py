@@ -181,8 +181,8 @@ class ServeProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=30)
         finally:

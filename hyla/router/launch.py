@@ -84,6 +84,12 @@ def router_options(args: argparse.Namespace) -> dict[str, Any]:
                 **cors_options(args))
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM that reaches the command after its router has shut down: exit through the ``finally`` that stops
+    the workers (status 0, as a single server's SIGTERM)."""
+    raise SystemExit(0)
+
+
 def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
     """Run ``hyla serve`` with ``args.dp_size`` workers behind the router; ``given``: the command's
     own arguments, passed on to the workers."""
@@ -124,8 +130,15 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
         tls = tls_options(args)
         logger.info("the %d workers serve (%d prefill only); the router listens on %s://%s:%d", n,
                     args.prefill_workers, "https" if tls else "http", args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                    timeout_graceful_shutdown=5, **tls)
+        # SIGTERM (a container's stop) as SIGINT: uvicorn re-raises the signal it caught once it has shut down,
+        # and the default handler killed the process there, before the workers below were stopped (left running,
+        # their ports and devices held); the router waits for its open answers as long as a worker drains its own
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                        timeout_graceful_shutdown=max(5.0, args.shutdown_timeout), **tls)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         return 0
     finally:
         for proc, _ in workers:
