@@ -1401,7 +1401,8 @@ def test_what_the_router_cannot_pass_on_as_it_came_is_an_answer_not_a_500():
 def test_a_stored_responses_owner_is_the_worker_that_returns_it():
     """A worker that fails (500) or stalls when asked for a stored response is not taken for its owner: the
     worker that returns it is, and the request goes there. A draining owner's 503 is the client's answer (another
-    worker does not hold the response). Only requests a worker took count toward its prefix table."""
+    worker does not hold the response), and so is an unhealthy owner's. Only requests a worker took count toward its
+    prefix table."""
     failing, stalling, holder = FastAPI(), FastAPI(), FastAPI()
     state = {"draining": False}
 
@@ -1443,3 +1444,9 @@ def test_a_stored_responses_owner_is_the_worker_that_returns_it():
         bad = httpx.post(r.url + "/v1/responses", json={"input": "c" * 300, "previous_response_id": "resp_abc"})
         assert bad.status_code == 400
         assert [w["table_blocks"] for w in httpx.get(r.url + "/workers").json()["workers"]] == tables
+        # the owner unhealthy for a moment (one failed request, until its next health check): a 503 the client
+        # retries after Retry-After, naming it (another worker answered "not found": the conversation looked lost)
+        r.server.config.app.state.router.workers[2].healthy = False
+        for answer in (httpx.get(r.url + "/v1/responses/resp_abc"),
+                       httpx.post(r.url + "/v1/responses", json={"input": "d", "previous_response_id": "resp_abc"})):
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "30" and c.url in answer.text

@@ -71,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import logging
 import re
 import secrets
@@ -308,6 +309,14 @@ class Worker:
     cache_id: str | None = None  # its /health's cache_id when last seen (a new one: its cache was emptied)
 
 
+class OwnerUnavailable(Exception):
+    """The worker holding a stored response or conversation (``owner``) cannot take a request that reads it."""
+
+    def __init__(self, owner: int) -> None:
+        super().__init__(owner)
+        self.owner = owner
+
+
 @dataclass(eq=False)
 class Move:
     """A routed request whose prompt a prefill worker computes for its decode worker, from the decode
@@ -448,11 +457,14 @@ class RouterApp:
     # forwarding
     # ------------------------------------------------------------------------------------------
     def _pick(self, path: str, key: str | list[int] | None, owner: int | None, tried: frozenset[int]) -> tuple[int, str]:
-        """The worker for the next try of a request (``ValueError``: none left)."""
+        """The worker for the next try of a request (``ValueError``: none left; ``OwnerUnavailable``: the worker
+        holding what it reads is unhealthy, or failed it: no other worker could answer it but 'not found')."""
         loads = [w.in_flight for w in self.workers]
         healthy = [w.healthy for w in self.workers]
-        if owner is not None and healthy[owner] and owner not in tried:
-            return owner, "owner"
+        if owner is not None:
+            if healthy[owner] and owner not in tried:
+                return owner, "owner"
+            raise OwnerUnavailable(owner)
         if path in ROUTED_PATHS:
             return self.router.choose(key, loads, healthy, exclude=tried)
         live = [i for i in range(len(self.workers)) if healthy[i] and i not in tried]
@@ -532,6 +544,12 @@ class RouterApp:
                 else:
                     try:
                         i, why = self._pick(path, key, owner, frozenset(tried))
+                    except OwnerUnavailable as exc:  # (a 503 the OpenAI client retries, after Retry-After)
+                        retry = str(max(1, math.ceil(min(self.health_interval, 30.0))))
+                        return JSONResponse(error_body(
+                            f"the worker holding this response or conversation ({self.workers[exc.owner].url}) is "
+                            "unavailable: retry once its health check passes"), status_code=503,
+                            headers={"Retry-After": retry})
                     except ValueError:
                         return JSONResponse(error_body("no worker is available: every worker is unhealthy or "
                                                        "failed the request"), status_code=503)
