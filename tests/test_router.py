@@ -1038,6 +1038,12 @@ def test_a_request_the_router_marks_aborted_is_answered_as_aborted_at_once(worke
     message = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": chat["messages"]},
                          headers=marked).json()
     assert message["content"] == [] and message["usage"]["output_tokens"] == 0
+    # a JSON list of rids (an abort of some choices): those alone; another value a 400
+    two = {**chat, "n": 2, "rid": ["keep-1", "drop-1"], "temperature": 0, "ignore_eos": True}
+    answer = httpx.post(url + "/v1/chat/completions", json=two, headers={ABORTED_HEADER: '["drop-1"]'}).json()
+    assert [c["finish_reason"] for c in answer["choices"]] == ["length", "abort"], answer
+    assert httpx.post(url + "/v1/chat/completions", json={**two, "rid": ["k2", "d2"]},
+                      headers={ABORTED_HEADER: "yes"}).status_code == 400
     running = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("hyla_num_running_requests ")]
     assert running and all(line.endswith(" 0.0") for line in running)
 
@@ -1320,11 +1326,15 @@ def test_an_abort_while_the_prompt_moves_reaches_the_request():
         answer = moving("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"abort_all": True})
         assert answer.status_code == 200 and seen["imports"] == 1 and steps[4:5] == ["started"]
         assert seen["served"][2:] == [("/v1/chat/completions", "1")] and not router.moves
-        # a chat's own rid (one per choice: a list) reaches it as /generate's does (it was lost: the request served)
-        answer = moving("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                                 "rid": ["c1", "c2"]}, {"rid": "c2"})
-        assert answer.status_code == 200 and seen["imports"] == 1
-        assert seen["served"][3:] == [("/v1/chat/completions", "1")] and not router.moves
+        # a chat's own rids (one per choice) reach it as /generate's does (they were lost: the request served):
+        # one choice's, that choice alone (the prompt still moves); every choice's, all of it (no prefill)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "rid": ["c1", "c2"]}
+        answer = moving("/v1/chat/completions", chat, {"rid": "c2"})
+        assert answer.status_code == 200 and seen["imports"] == 2
+        assert seen["served"][3:] == [("/v1/chat/completions", '["c2"]')] and not router.moves
+        answer = moving("/v1/chat/completions", {**chat, "rid": ["c3", "c4"]}, {"rid": "c4"}, {"rid": "c3"})
+        assert answer.status_code == 200 and seen["imports"] == 2
+        assert seen["served"][4:] == [("/v1/chat/completions", "1")] and not router.moves
 
 
 def test_answers_the_router_cannot_read_cost_only_the_saving():

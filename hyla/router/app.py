@@ -42,10 +42,11 @@ Whatever goes wrong on the way costs only the saving, never the request: no pref
 one that fails (it turns unhealthy; the next is tried), nothing to export (a prompt shorter than a
 page), an import refused: the decode worker prefills the prompt itself. A prefill worker's client
 error (a 4xx: the decode worker would refuse the request as well) is the client's answer. An
-``/abort_request`` that arrives while a prompt moves (its ``/generate`` ``rid``, or ``abort_all``) reaches
-no worker that knows the request: the router keeps it (``Move``), stops the prefill (closing its
-connection aborts it there), skips the import, and sends the request to the decode worker with
-``X-Hyla-Aborted: 1``, which answers it as aborted at once (nothing produced). Broadcasts,
+``/abort_request`` that arrives while a prompt moves (its ``rid``, or ``abort_all``) reaches no worker that
+knows the request: the router keeps it (``Move``), stops the prefill (closing its connection aborts it
+there), skips the import, and sends the request to the decode worker with ``X-Hyla-Aborted: 1``, which
+answers it as aborted at once (nothing produced); an abort of some of its choices sends their rids in the
+header (a JSON list), the prompt moved as usual. Broadcasts,
 ``/export_prefix`` and health checks include the prefill workers; every other path goes to the
 decode workers only.
 
@@ -326,7 +327,8 @@ class Move:
     # the request's own rids (a body's ``rid``: a string, or one per choice or prompt, on /generate and the OpenAI
     # endpoints alike); none given, only abort_all reaches it
     rids: frozenset[str] = frozenset()
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # all of it (abort_all, or every rid): no prefill
+    aborted_rids: set[str] = field(default_factory=set)  # some of its choices (their rids), told to the worker
 
 
 class RouterApp:
@@ -535,7 +537,7 @@ class RouterApp:
         ask = self.disaggregates(request, path, body, owner)  # whether the decode worker may send it to prefill
         pinned: int | None = None  # the decode worker the prefix was made for (it holds the KV left out)
         move: Move | None = None  # while the prompt moves (an abort meanwhile is kept there)
-        aborted = False  # an abort came while it moved: the decode worker answers it as aborted at once
+        aborted: str | None = None  # an abort came while it moved ("1", or its rids): the worker answers so
         tried: set[int] = set()
         try:
             while True:
@@ -564,10 +566,12 @@ class RouterApp:
                             return Response(status_code=499)
                     if move is not None:  # (from here on an abort reaches the request on the worker)
                         self.moves.discard(move)
-                        aborted, move = move.aborted.is_set(), None
+                        aborted = "1" if move.aborted.is_set() else \
+                            json.dumps(sorted(move.aborted_rids)) if move.aborted_rids else None
+                        move = None
                     sent = {**headers, LOCAL_PREFILL_HEADER: str(self.local_prefill_tokens)} if ask else headers
-                    if aborted:
-                        sent = {**sent, ABORTED_HEADER: "1"}
+                    if aborted:  # (all of it, or the choices of these rids: ABORTED_HEADER)
+                        sent = {**sent, ABORTED_HEADER: aborted}
                     upstream_request = self.client.build_request(request.method, w.url + path, content=raw,
                                                                  headers=sent, params=request.query_params.multi_items(),
                                                                  timeout=self.request_timeout)
@@ -660,8 +664,12 @@ class RouterApp:
             return
         rid, everyone = target
         for move in list(self.moves):
-            if everyone or rid in move.rids:
+            if everyone:
                 move.aborted.set()
+            elif rid in move.rids:
+                move.aborted_rids.add(rid)
+                if move.aborted_rids >= move.rids:
+                    move.aborted.set()
 
     @staticmethod
     async def _unless_aborted(move: Move, work: Awaitable[Any]) -> Any:

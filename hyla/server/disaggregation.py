@@ -50,6 +50,7 @@ without torch, takes the header's name and the answer's from here.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any, Sequence
 
 from fastapi import Request
@@ -79,6 +80,19 @@ def header_count(value: str | None) -> int | None:
     return MAX_HEADER_COUNT if len(value) > 18 else int(value)
 
 
+def _rid_list(value: str) -> set[str]:
+    """``ABORTED_HEADER``'s JSON list of rids (the router's: the choices an ``/abort_request`` named while the prompt
+    moved); ``APIError`` 400 for another value."""
+    from hyla.server.errors import APIError
+    try:
+        rids = json.loads(value)
+    except ValueError:
+        rids = None
+    if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+        raise APIError(400, f"{ABORTED_HEADER} must be 1 or a JSON list of rids, got {value[:100]!r}")
+    return set(rids)
+
+
 async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float,
                                 request: Request) -> Response | None:
     """A generating endpoint's step between its ``Job``s and ``Server.start_generation``: the answer of a
@@ -86,15 +100,18 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     ``prefill_elsewhere`` where ``LOCAL_PREFILL_HEADER`` allows fewer uncached prompt tokens than it has
     (a batch's first prompt: the router sends no batch through here). A request sent with ``ABORTED_HEADER``
     (an ``/abort_request`` reached the router while it moved the prompt) is served as one aborted at once:
-    its jobs are marked ``aborted`` and answer what they produced, nothing, with ``finish_reason`` abort.
+    its jobs (``1``), or those of the header's JSON list of rids (an abort of some choices), are marked
+    ``aborted`` and answer what they produced, nothing, with ``finish_reason`` abort.
     ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
     from hyla.server.errors import APIError
     from hyla.server.generation import job_request
 
-    if request.headers.get(ABORTED_HEADER) == "1":  # (answered as a request aborted at once: each job is)
+    aborted = request.headers.get(ABORTED_HEADER)
+    if aborted is not None:  # (answered as aborted at once: each job, or those of the JSON list's rids)
+        rids = None if aborted == "1" else _rid_list(aborted)
         for job in jobs:
-            job.aborted = True
-        return None
+            job.aborted = job.aborted or rids is None or job.rid in rids
+        return None  # (a moved request: served here as usual, its prompt imported)
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
     value = request.headers.get(LOCAL_PREFILL_HEADER)
