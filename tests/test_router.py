@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import argparse
 import asyncio
@@ -1133,6 +1137,54 @@ def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_pa
     for w in info["workers"] + info["prefill_workers"]:  # the workers are gone with the command
         with pytest.raises(httpx.TransportError):
             httpx.get(w["url"] + "/health", timeout=2)
+
+
+_LOADING_WORKER = """
+import http.server, os, sys
+open(os.path.join(sys.argv[2], f"worker-{os.getpid()}"), "w").close()
+class Loading(http.server.BaseHTTPRequestHandler):  # (a worker still loading its model: never healthy)
+    def do_GET(self):
+        self.send_response(503); self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Loading).serve_forever()
+"""
+_LAUNCHER = """
+import subprocess, sys, types
+import hyla.router.launch as launch
+real = subprocess.Popen
+def worker(argv, env=None, **kw):  # (hyla serve's workers replaced by ones that never finish loading)
+    return real([sys.executable, sys.argv[1], argv[argv.index("--port") + 1], sys.argv[2]])
+launch.subprocess = types.SimpleNamespace(Popen=worker, TimeoutExpired=subprocess.TimeoutExpired)
+from hyla.cli import main
+sys.exit(main(["serve", "--dp-size", "2", "--port", sys.argv[3], "--shutdown-timeout", "1"]))
+"""
+
+
+def test_sigterm_while_the_workers_load_stops_them(tmp_path):
+    """``hyla serve --dp-size``: a SIGTERM while the workers still load their models (minutes, for a real one)
+    exits 0 through the code that stops them (the default handler killed the command there: status 143, the
+    workers left running)."""
+    (tmp_path / "worker.py").write_text(_LOADING_WORKER)
+    (tmp_path / "launcher.py").write_text(_LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "worker.py"),
+                             str(tmp_path), _closed_port_url().rsplit(":", 1)[1]], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("worker-*"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for marker in tmp_path.glob("worker-*"):
+        pid = int(marker.name.removeprefix("worker-"))
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
+            assert time.monotonic() < deadline, f"worker {pid} left running"
+            time.sleep(0.05)
 
 
 def _fake_decode_worker(held: int, import_seconds: float = 0.0):

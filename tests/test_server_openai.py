@@ -474,6 +474,8 @@ def test_a_chat_without_max_tokens_gets_the_generation_configs_max_new_tokens(se
     assert capped["usage"]["completion_tokens"] == 3 and capped["choices"][0]["finish_reason"] == "length"
     own = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=60).json()
     assert own["usage"]["completion_tokens"] == 5
+    too_many = httpx.post(server.url + "/v1/chat/completions", json={**body, "min_tokens": 4}, timeout=60)
+    assert too_many.status_code == 400 and "generation_config.json max_new_tokens) (3)" in too_many.text
 
 
 def test_generate_takes_sglangs_frontend_fields(server, engine):

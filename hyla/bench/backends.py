@@ -127,12 +127,14 @@ async def iter_sse(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 
 
 def _delta_reasoning(backend: str, event: dict[str, Any]) -> str:
-    """A chat stream's reasoning delta (``--reasoning-parser``'s ``reasoning_content``): output the timings count,
+    """A chat stream's reasoning delta (``--reasoning-parser``'s ``reasoning_content``, vLLM's ``reasoning``): output
+    the timings count,
     not the answer's text (a conversation's next turn takes the content only)."""
     if backend != "openai-chat":
         return ""
     choices = event.get("choices") or []
-    return ((choices[0].get("delta") or {}).get("reasoning_content") or "") if choices else ""
+    delta = (choices[0].get("delta") or {}) if choices else {}
+    return delta.get("reasoning_content") or delta.get("reasoning") or ""  # (vLLM's newer name: reasoning)
 
 
 def _delta_text(backend: str, event: dict[str, Any], text_so_far: str) -> str:

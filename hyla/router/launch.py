@@ -104,6 +104,11 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
         print(f"hyla serve: error: {exc}", file=sys.stderr)
         return 2
     workers: list[tuple[subprocess.Popen, str]] = []
+    # SIGTERM (a container's stop) as SIGINT, from the first worker's start: it exits through the ``finally`` that
+    # stops the workers. uvicorn re-raises the signal it caught once it has shut down, and the default handler
+    # killed the command there (or while the workers loaded), before they were stopped: left running, their ports
+    # and devices held
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for i, device in enumerate(devices):
             port = free_port()
@@ -130,20 +135,15 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
         tls = tls_options(args)
         logger.info("the %d workers serve (%d prefill only); the router listens on %s://%s:%d", n,
                     args.prefill_workers, "https" if tls else "http", args.host, args.port)
-        # SIGTERM (a container's stop) as SIGINT: uvicorn re-raises the signal it caught once it has shut down,
-        # and the default handler killed the process there, before the workers below were stopped (left running,
-        # their ports and devices held); the router waits for its open answers as long as a worker drains its own
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                        timeout_graceful_shutdown=max(5.0, args.shutdown_timeout), **tls)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        # (the router waits for its open answers as long as a worker drains its own)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                    timeout_graceful_shutdown=max(5.0, args.shutdown_timeout), **tls)
         return 0
     finally:
         for proc, _ in workers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)  # (signalled, the workers drain and exit even if this is killed)
         deadline = time.monotonic() + args.shutdown_timeout + 30
         for proc, _ in workers:
             try:

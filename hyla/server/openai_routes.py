@@ -115,7 +115,7 @@ class OpenAIRoutes:
         rids = job_rids(body.rid, request.headers.get(REQUEST_ID_HEADER), len(id_lists) * body.n)
         for p, ids in enumerate(id_lists):
             max_new = output_budget(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
-            _check_min_tokens(body.min_tokens, max_new, "max_tokens")
+            _check_min_tokens(body.min_tokens, max_new, budget_limit(engine, len(ids), body.max_tokens, "max_tokens"))
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
                          logprob_start_len=start, priority=body.priority, namespace=cache_namespace(body.cache_salt),
                          rid=rids[p * body.n + j], lora_name=lora_name)
@@ -216,8 +216,8 @@ class OpenAIRoutes:
         images = await chat_images(self.server, engine, body.messages, body.mm_processor_kwargs)
         max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_new_tokens(),
                                 body.max_new_tokens_field(), "messages")
-        _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
-                          else "the tokens the context leaves after the prompt")
+        _check_min_tokens(body.min_tokens, max_new, budget_limit(engine, len(encoding.ids) + image_tokens(images),
+                                                                 body.max_new_tokens(), body.max_new_tokens_field()))
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         grammar = {**forced_tool_grammar(self.server, body), **kept_markers(self.server, body)}
         jobs = [Job(encoding.ids, thinking_first(self.server, encoding.text, {**body.sampling_params(max_new, top_k, j),
@@ -565,6 +565,16 @@ def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_pa
         raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
                             f"length ({context})", param=max_param, code="context_length_exceeded")
     return requested
+
+
+def budget_limit(engine: Engine, prompt_len: int, requested: int | None, max_param: str) -> str:
+    """What sets ``output_budget``'s answer, in a message's words: the field, the model's default, or the context."""
+    if requested is not None:
+        return max_param
+    default = getattr(engine, "default_max_new_tokens", None)
+    if default is not None and default < engine.context_length - prompt_len:
+        return f"the default {max_param} (the model's generation_config.json max_new_tokens)"
+    return "the tokens the context leaves after the prompt"
 
 
 def admit_chat(server: Server, model: str) -> Engine:
