@@ -48,9 +48,12 @@ def test_bad_values_are_400(server, path, base, extra, param):
     assert next(iter(extra)) in err["message"]
 
 
-def test_min_tokens_beyond_what_the_context_leaves_is_400(server):
+def test_min_tokens_beyond_what_the_context_leaves_is_400(server, monkeypatch):
     context = _engine(server).context_length
     body = {**CHAT, "max_tokens": None, "min_tokens": context}
+    err = _assert_error(_post(server, "/v1/chat/completions", json=body), 400, "invalid_request_error", "min_tokens")
+    assert "generation_config.json max_new_tokens" in err["message"]  # (the built-in model's 256: the default)
+    monkeypatch.setattr(_engine(server), "default_max_new_tokens", None)  # (no cap: the context sets the limit)
     err = _assert_error(_post(server, "/v1/chat/completions", json=body), 400, "invalid_request_error", "min_tokens")
     assert "context" in err["message"]
 
