@@ -31,7 +31,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from typing_extensions import Annotated
 
-from hyla.server.protocol import FieldError, _Request, check_chat_nesting, image_url_problem
+from hyla.server.protocol import FieldError, _Request, check_chat_nesting, image_url_problem, text_content
 
 
 class _Open(BaseModel):
@@ -230,7 +230,8 @@ class _Counted(_Request):
         """The conversation as chat completion messages (the module's docstring)."""
         out: list[dict[str, Any]] = []
         if self.system:
-            out.append({"role": "system", "content": self.system if isinstance(self.system, str) else _text(self.system)})
+            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
+                        else text_content([b.text for b in self.system])})
         for m in self.messages:
             blocks = m.blocks()
             if m.role == "user":
@@ -243,7 +244,7 @@ class _Counted(_Request):
                         {"type": "image_url", "image_url": {"url": b.image_url()}}
                         for b in blocks if isinstance(b, (TextBlock, ImageBlock))]})
                 elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-                    out.append({"role": "user", "content": _text([b for b in blocks if isinstance(b, TextBlock)])})
+                    out.append({"role": "user", "content": text_content(text)})
                 continue
             message: dict[str, Any] = {"role": "assistant",
                                        "content": "".join(b.text for b in blocks if isinstance(b, TextBlock))}
@@ -349,10 +350,3 @@ def usage(meta: dict[str, Any]) -> dict[str, int]:
     return {"input_tokens": prompt - cached, "output_tokens": meta.get("completion_tokens", 0),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
-
-def _text(blocks: list[TextBlock]) -> str | list[dict[str, Any]]:
-    """Text blocks as a chat message's content: one block its text; several, text parts (a template that does
-    not loop over parts gets them a line each: ``ChatTemplate.render``, as vLLM passes them)."""
-    if len(blocks) == 1:
-        return blocks[0].text
-    return "" if not blocks else [{"type": "text", "text": b.text} for b in blocks]

@@ -570,6 +570,15 @@ class TextContentPart(_ContentPart):
     text: str
 
 
+def text_content(texts: list[str]) -> str | list[dict[str, Any]]:
+    """A message's texts (Anthropic's text blocks, a Responses message's text parts) as a chat message's
+    content: none ``""``, one its text, several text parts (a template that does not loop over parts gets them
+    a line each: ``ChatTemplate.render``, as vLLM passes them)."""
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts] if texts else ""
+
+
 def is_fetched(url: str) -> bool:
     """Whether the image ``url`` is one the server fetches (http or https: ``media.MediaFetcher``), not a data URL
     carrying its image."""

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hyla.tokenizer.chat_template import check_nesting
 from hyla.server.protocol import (
     MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_cache_salt, check_chat_nesting,
-    check_stream_options, default_if_null, image_url_problem,
+    check_stream_options, default_if_null, image_url_problem, text_content,
 )
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat's too)
@@ -128,10 +128,8 @@ class MessageItem(_Strict):
         """The content as a chat message's: the text, or with images, text and ``image_url`` parts in order."""
         if isinstance(self.content, str):
             return self.content
-        if not any(isinstance(p, InputImagePart) for p in self.content):  # (several: a template joins them)
-            texts = [p.text for p in self.content if isinstance(p, InputTextPart)]
-            return texts[0] if len(texts) == 1 else "".join(texts) if not texts else [
-                {"type": "text", "text": t} for t in texts]
+        if not any(isinstance(p, InputImagePart) for p in self.content):
+            return text_content([p.text for p in self.content if isinstance(p, InputTextPart)])
         return [{"type": "text", "text": p.text} if isinstance(p, InputTextPart)
                 else {"type": "image_url", "image_url": {"url": p.image_url}} for p in self.content]
 
