@@ -161,11 +161,10 @@ class Engine:
         # speculative_algorithm="draft": a separate model with the same vocabulary (ValueError when it does not fit)
         self.draft_model = self._load_draft_model() if self.args.speculative_algorithm == "draft" else None
         # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
-        self.sampling_defaults = _generation_defaults(path) if self.args.generation_config == "auto" else {}
         # and the most new tokens an OpenAI-style request that sets none may get (vLLM's default max_tokens: the
         # file's max_new_tokens), None: up to the context length
-        self.default_max_new_tokens = _generation_max_new_tokens(path) if self.args.generation_config == "auto" \
-            else None
+        self.sampling_defaults, self.default_max_new_tokens = _generation_config(path) \
+            if self.args.generation_config == "auto" else ({}, None)
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
 
@@ -1473,33 +1472,22 @@ def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tup
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def _generation_defaults(path: Path) -> dict[str, Any]:
-    """The sampling fields a model's ``generation_config.json`` sets (absent file or fields: none)."""
+def _generation_config(path: Path) -> tuple[dict[str, Any], int | None]:
+    """What a model's ``generation_config.json`` sets (read once; absent file or fields: none): the sampling
+    fields, and ``max_new_tokens`` (a positive int), the default ``max_tokens`` of an OpenAI-style request."""
     file = path / "generation_config.json"
     if not file.is_file():
-        return {}
+        return {}, None
     try:
         cfg = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {file}: {exc}") from exc
     defaults = {k: cfg[k] for k in GENERATION_DEFAULT_KEYS if cfg.get(k) is not None}
     SamplingParams.from_dict(defaults)  # a bad value is the model's fault: say so at load time
-    return defaults
-
-
-def _generation_max_new_tokens(path: Path) -> int | None:
-    """``generation_config.json``'s ``max_new_tokens`` (a positive int), or None (no file, no field). The file's
-    other problems are ``_generation_defaults``' to report."""
-    file = path / "generation_config.json"
-    try:
-        value = json.loads(file.read_text()).get("max_new_tokens") if file.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{file}: max_new_tokens must be a positive integer, got {value!r}")
-    return value
+    max_new = cfg.get("max_new_tokens")
+    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
+        raise ValueError(f"{file}: max_new_tokens must be a positive integer, got {max_new!r}")
+    return defaults, max_new
 
 
 def _load_tokenizer(path: Path, chat_template: str | os.PathLike | None = None):
