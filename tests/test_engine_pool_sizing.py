@@ -191,3 +191,32 @@ def test_a_host_tier_under_a_gpu_plans_its_pinned_staging_too():
         assert pools == (tokens + 1) * layout.kv_bytes_per_token + (slots + 1) * layout.state_bytes_per_slot
         staged = min(MAX_STAGED_BYTES, pools) + 2 * COPY_BLOCK_BYTES
         assert HostCache.planned_bytes(layout, tree("cuda"), tokens, slots) == pools + staged
+
+
+def test_given_running_requests_get_their_slots_however_low_the_budget(monkeypatch):
+    """max_running_requests given, slots from memory: a budget whose split holds fewer slots than the
+    requests need (CI's runner, its free RAM low under the suite, gave an ngram engine of 4 requests x
+    5 slots 10 slots: a ValueError naming max_state_slots, which nobody gave) still gets a state slot
+    and scratch plus a checkpoint for each (here 4 x (1 + 3 drafts + 1)); a budget below even that is
+    refused, saying what to change."""
+    per_slot = Engine().model_config.cache_layout.state_bytes_per_slot
+    spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4, "max_running_requests": 4}
+    monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: 40 * per_slot)
+    with Engine(**spec) as e:
+        assert e.max_running_requests == 4 and e.state_pool.size == 4 * (1 + 3 + 1)
+        outs = e.generate(input_ids=[[5, 6, 7, 5, 6, 7]] * 4, sampling_params=GREEDY)
+        assert [o["meta_info"]["completion_tokens"] for o in outs] == [6] * 4
+    monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: 19 * per_slot)
+    with pytest.raises(ValueError, match=r"max_running_requests \(4\) needs at least 20 state slots .* lower "
+                                         "max_running_requests, raise mem_fraction or give max_state_slots"):
+        Engine(**spec)
+
+
+def test_available_ram_is_what_the_kernel_can_give(monkeypatch):
+    """Linux's MemAvailable (the page cache counts: the kernel drops it on demand), not the free
+    pages alone, which a busy machine keeps near zero."""
+    meminfo = "MemTotal:       32000000 kB\nMemFree:          100000 kB\nMemAvailable:   20000000 kB\n"
+    monkeypatch.undo()  # the autouse fixture's 32 GiB
+    import io
+    monkeypatch.setattr(engine_module, "open", lambda path, *a, **k: io.StringIO(meminfo), raising=False)
+    assert engine_module._available_ram() == 20000000 * 1024

@@ -298,7 +298,16 @@ class Engine:
             split = split_memory(max(budget, 0), args.state_memory_ratio,
                                  layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
         slot_cap = running * (per_req + CHECKPOINTS_PER_RUNNING_REQUEST)
-        num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), slot_cap, 4096)
+        # at least 8 slots; with max_running_requests given, at least its state (and scratch) slots
+        # plus a checkpoint each: what was asked for runs unless the budget cannot hold even that
+        floor = max(8, args.max_running_requests * (per_req + 1) if args.max_running_requests else 0)
+        if args.max_state_slots is None and args.max_running_requests and \
+                (floor + 1) * layout.state_bytes_per_slot > budget:
+            raise ValueError(f"max_running_requests ({args.max_running_requests}) needs at least {floor} state slots "
+                             f"({(floor + 1) * layout.state_bytes_per_slot / 2**20:.1f} MiB), more than the cache's "
+                             f"memory budget ({budget / 2**20:.1f} MiB of free {self.device.type} memory): lower "
+                             "max_running_requests, raise mem_fraction or give max_state_slots")
+        num_slots = args.max_state_slots or min(max(split.num_state_slots, floor), slot_cap, 4096)
         # explicit slots: as many running requests as leave half the slots to checkpoints (at most 256);
         # slots from memory: the same, at most the device's default
         cap = MAX_RUNNING_REQUESTS if args.max_state_slots else default_max_running_requests(self.device)
@@ -1531,7 +1540,16 @@ def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:
 
 
 def _available_ram() -> int:
-    """Bytes of RAM free now (8 GiB where the system does not say)."""
+    """Bytes of RAM available now: Linux's MemAvailable (free pages plus the page cache and other
+    memory the kernel gives back on demand; the free pages alone, which a busy machine's page cache
+    keeps low, sized the pools to a few MB), else the free pages, else 8 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
