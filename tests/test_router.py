@@ -714,6 +714,29 @@ def test_a_router_api_key_is_checked_before_any_worker_and_forwarded():
                           headers={"x-api-key": "sesame"}).status_code == 200
 
 
+
+def test_the_routers_own_errors_on_anthropic_paths_have_anthropics_shape():
+    """A 401, a 413, a 404 and a 503 the router answers itself, for /v1/messages, have Anthropic's error body (its
+    SDK reads ``error.type``), as a worker's own answer there has; OpenAI's paths keep OpenAI's."""
+    app, _ = _fake_worker()
+    key = {"x-api-key": "sesame"}
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], api_key="sesame", max_request_bytes=1000,
+                                                            health_interval=60)) as r:
+        raw = httpx.Request("POST", r.url + "/v1/messages/%2E%2E/x", headers=key)  # (a ".." segment, as it came)
+        cases = [(httpx.post(r.url + "/v1/messages", json={}), 401, "authentication_error"),
+                 (httpx.post(r.url + "/v1/messages", json={"x": "x" * 2000}, headers=key), 413, "request_too_large")]
+        with httpx.Client() as client:
+            cases.append((client.send(raw), 404, "not_found_error"))
+    with _Uvicorn(create_router_app([_closed_port_url()], health_interval=60)) as r:
+        cases.append((httpx.post(r.url + "/v1/messages", json={}), 503, "overloaded_error"))
+        openai = httpx.post(r.url + "/v1/chat/completions", json={})
+        assert openai.status_code == 503 and "no worker is available" in openai.json()["error"]["message"]
+    for answer, status, kind in cases:
+        assert answer.status_code == status, answer.text
+        body = answer.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+
+
 def test_a_worker_that_emptied_its_cache_loses_its_routing_table():
     """A worker's /health names its cache (``cache_id``); a new name (a flush, a weight update, a restart) clears
     the router's table of the prompts sent there, which would otherwise draw requests to a cache that lost them."""

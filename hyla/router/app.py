@@ -54,7 +54,7 @@ A worker is healthy until it fails a request, answers a 503, or its ``/health`` 
 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
 passes again. A request the worker fails before answering (no connection, a reset), or refuses with
 a 503, is sent to another worker (each at most once); with none left the client gets a 503 with an
-OpenAI-style body (or, where no other worker is healthy, the 503 of the last one tried). A 429 (the
+OpenAI-style body (Anthropic's on ``/v1/messages``, as the router's own 401, 404 and 413) (or, where no other worker is healthy, the 503 of the last one tried). A 429 (the
 worker's waiting queue is full) sends the request to another worker too, the first staying healthy; the
 client gets the 429 when no worker is left to try, or when the request reads a stored response that only
 that worker holds. A stream passes on whole events only, so a worker failing mid-stream (mid-event) ends it
@@ -90,6 +90,7 @@ from starlette.requests import ClientDisconnect
 from hyla.router.policy import MAX_KEY_BLOCKS, Namespaced, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
+from hyla.server.errors import APIError
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                        PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER,
                                        header_count)
@@ -124,6 +125,13 @@ MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently 
 def error_body(message: str, type: str = "service_unavailable", code: str | None = None) -> dict[str, Any]:
     """An OpenAI-style error body."""
     return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def error_response(path: str, status: int, message: str, type: str = "service_unavailable", code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The router's own answer to a request for ``path``: OpenAI's error body, or Anthropic's on Anthropic's
+    paths (its SDK reads that shape), as a worker answers (``APIError.response``)."""
+    return APIError(status, message, type=type, code=code, headers=headers).response(path)
 
 
 def routing_key(path: str, body: Any, base_model: str | None = None) -> str | list[int] | Namespaced | None:
@@ -548,13 +556,13 @@ class RouterApp:
                         i, why = self._pick(path, key, owner, frozenset(tried))
                     except OwnerUnavailable as exc:  # (a 503 the OpenAI client retries, after Retry-After)
                         retry = str(max(1, math.ceil(min(self.health_interval, 30.0))))
-                        return JSONResponse(error_body(
-                            f"the worker holding this response or conversation ({self.workers[exc.owner].url}) is "
-                            "unavailable: retry once its health check passes"), status_code=503,
+                        return error_response(
+                            path, 503, f"the worker holding this response or conversation "
+                            f"({self.workers[exc.owner].url}) is unavailable: retry once its health check passes",
                             headers={"Retry-After": retry})
                     except ValueError:
-                        return JSONResponse(error_body("no worker is available: every worker is unhealthy or "
-                                                       "failed the request"), status_code=503)
+                        return error_response(path, 503, "no worker is available: every worker is unhealthy or "
+                                                         "failed the request")
                 w = self.workers[i]
                 w.in_flight += 1
                 self.in_flight.labels(w.url).inc()
@@ -807,13 +815,13 @@ class RouterApp:
         leaves before it is whole (nothing reaches a worker; no error logged for a client's leaving)."""
         declared = request.headers.get("content-length")
         if (header_count(declared) or 0) > self.max_request_bytes:
-            return self._too_large()
+            return self._too_large(request.url.path)
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > self.max_request_bytes:
-                    return self._too_large()
+                    return self._too_large(request.url.path)
                 chunks.append(chunk)
         except ClientDisconnect:
             return Response(status_code=499)
@@ -826,13 +834,13 @@ class RouterApp:
             secrets.compare_digest((request.headers.get("x-api-key") or "").encode(), self.api_key.encode())
 
     @staticmethod
-    def unauthorized() -> Response:
-        return JSONResponse(error_body(API_KEY_MESSAGE, type="authentication_error", code="invalid_api_key"),
-                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    def unauthorized(path: str) -> Response:
+        return error_response(path, 401, API_KEY_MESSAGE, type="authentication_error", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
 
-    def _too_large(self) -> Response:
-        return JSONResponse(error_body(f"the request body is larger than {self.max_request_bytes} bytes",
-                                       type="invalid_request_error", code="request_too_large"), status_code=413)
+    def _too_large(self, path: str) -> Response:
+        return error_response(path, 413, f"the request body is larger than {self.max_request_bytes} bytes",
+                              type="invalid_request_error", code="request_too_large")
 
     @staticmethod
     def forwarded_headers(request: Request) -> dict[str, str | bytes]:
@@ -1109,7 +1117,7 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
     @app.get("/workers")
     async def workers(request: Request) -> Response:
         if not state.authorized(request):
-            return state.unauthorized()
+            return state.unauthorized(request.url.path)
         info = {"policy": state.router.policy, "workers": state.workers_info()}
         if state.prefill_workers:
             info["prefill_workers"] = state.workers_info(prefill=True)
@@ -1123,10 +1131,9 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
     async def proxy(request: Request, path: str) -> Response:
         path = "/" + path
         if not state.authorized(request):
-            return state.unauthorized()
+            return state.unauthorized(request.url.path)
         if not _safe_path(path):
-            return JSONResponse(error_body(f"no such path: {path!r}", type="not_found_error", code="not_found"),
-                                status_code=404)
+            return error_response(path, 404, f"no such path: {path!r}", type="not_found_error", code="not_found")
         if path == "/export_prefix" and request.method == "POST":
             return await state.export_prefix(request)
         if path in BROADCAST_PATHS and request.method == "POST":
