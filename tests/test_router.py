@@ -1535,3 +1535,33 @@ def test_a_stored_responses_owner_is_the_worker_that_returns_it():
         for answer in (httpx.get(r.url + "/v1/responses/resp_abc"),
                        httpx.post(r.url + "/v1/responses", json={"input": "d", "previous_response_id": "resp_abc"})):
             assert answer.status_code == 503 and answer.headers["retry-after"] == "30" and c.url in answer.text
+
+
+def test_hyla_route_stops_with_status_0_on_sigterm_and_imports_no_torch(tmp_path):
+    """``hyla route`` (the router alone) exits 0 on SIGTERM, a container's stop, as on Ctrl-C and as ``hyla
+    serve`` does (uvicorn re-raised the signal after its shutdown: status -15, a stop that looked like a crash);
+    the router imports no torch (it runs anywhere: its modules share only the server's light ones)."""
+    repo = Path(__file__).parents[1]
+    probe = "import sys, hyla.router.app, hyla.router.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    port = _closed_port_url().rsplit(":", 1)[1]
+    with open(tmp_path / "route.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hyla.cli", "route", "--worker-urls", _closed_port_url(),
+                                 "--port", port, "--health-interval", "60"], cwd=repo, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(repo)})
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # (up: its /health answers, a 503 with its one worker down)
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "route.log").read_text()
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, (tmp_path / "route.log").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -90,7 +90,7 @@ from starlette.requests import ClientDisconnect
 from hyla.router.policy import MAX_KEY_BLOCKS, Namespaced, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
-from hyla.server.errors import APIError
+from hyla.server.error_bodies import anthropic_error_body, is_anthropic_path, openai_error_body
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                        PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER,
                                        header_count)
@@ -124,14 +124,15 @@ MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently 
 
 def error_body(message: str, type: str = "service_unavailable", code: str | None = None) -> dict[str, Any]:
     """An OpenAI-style error body."""
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return openai_error_body(message, type, code=code)
 
 
 def error_response(path: str, status: int, message: str, type: str = "service_unavailable", code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """The router's own answer to a request for ``path``: OpenAI's error body, or Anthropic's on Anthropic's
-    paths (its SDK reads that shape), as a worker answers (``APIError.response``)."""
-    return APIError(status, message, type=type, code=code, headers=headers).response(path)
+    paths (its SDK reads that shape), as a worker answers (``errors.APIError.response``)."""
+    body = anthropic_error_body(status, message) if is_anthropic_path(path) else error_body(message, type, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def routing_key(path: str, body: Any, base_model: str | None = None) -> str | list[int] | Namespaced | None:

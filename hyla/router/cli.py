@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hyla.router.app import create_router_app
+    from hyla.server.launch import sigterm_as_interrupt
 
     if not 0 < args.port < 65536:
         print(f"hyla route: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                timeout_graceful_shutdown=5, **tls_options(args))
+    with sigterm_as_interrupt():  # (exit status 0 on SIGTERM, not 143)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                    timeout_graceful_shutdown=5, **tls_options(args))
     return 0

@@ -20,7 +20,7 @@ blocks are dropped (hyla has no signatures to check). What hyla cannot serve is 
 of another type (documents, server tool results; an image from a file), a tool of another type (``web_search``,
 ``bash``...: Anthropic's server tools), ``container``, ``mcp_servers``. ``output_config.format`` (a JSON
 schema) constrains the answer as ``response_format`` does. Errors have Anthropic's shape:
-``{"type": "error", "error": {"type", "message"}}`` (``errors.anthropic_error_body``).
+``{"type": "error", "error": {"type", "message"}}`` (``error_bodies.anthropic_error_body``).
 """
 
 from __future__ import annotations

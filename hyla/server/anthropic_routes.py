@@ -8,7 +8,7 @@ content block ``content_block_start``, its deltas (``thinking_delta``, ``text_de
 arguments as ``input_json_delta`` as the model writes them: ``tool_call_stream``'s incremental
 stream), ``content_block_stop``; then ``message_delta`` (``stop_reason``, the usage) and
 ``message_stop``. The API key is ``x-api-key`` (Anthropic's header) or ``Authorization: Bearer``. Every
-error, a body pydantic refuses included, has Anthropic's shape (``errors.anthropic_error_body``: whoever answers, ``APIError.response``); after
+error, a body pydantic refuses included, has Anthropic's shape (``error_bodies.anthropic_error_body``: whoever answers, ``APIError.response``); after
 a stream started, an ``error`` event.
 """
 
@@ -29,7 +29,8 @@ from hyla.server.anthropic_protocol import (CountTokensRequest, MessagesRequest,
                                             usage)
 from hyla.server.auth import bearer_key_matches
 from hyla.server.disaggregation import disaggregation_answer
-from hyla.server.errors import APIError, anthropic_error_body, engine_error, validation_error
+from hyla.server.error_bodies import anthropic_error_body
+from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat,
                                        chat_image_tokens, chat_images, final_text, forced_tool_grammar, image_tokens,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import socket
 import sys
 import types
@@ -252,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hyla.server.app import create_app
-    from hyla.server.launch import UvicornServer
+    from hyla.server.launch import UvicornServer, sigterm_as_interrupt
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
@@ -268,15 +267,10 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5, **tls_options(args))
     server = UvicornServer(config, gc_freeze=True)  # this process serves one app for its life
-    # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM, like Ctrl-C, then
-    # ends here as a KeyboardInterrupt instead of killing the process (exit status 0, not 143)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+        with sigterm_as_interrupt():  # (exit status 0 on SIGTERM, not 143)
+            server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
         sock.close()
     return 0 if server.started else 1
 
@@ -314,7 +308,3 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

@@ -29,30 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.errors import EngineOverloadedError, RequestError
 from hyla.engine.sampling_params import SAMPLING_FIELDS
+from hyla.server.error_bodies import anthropic_error_body, is_anthropic_path
 from hyla.server.protocol import ErrorInfo, ErrorResponse, FieldError
 
 logger = logging.getLogger("hyla.server")
 
 RETRY_AFTER_SECONDS = 1
 UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's 400 for a body json.loads failed on otherwise
-
-
-# Anthropic's Messages API (``anthropic_routes``): its errors have Anthropic's shape, whoever answers them
-ANTHROPIC_PATH = "/v1/messages"
-# an HTTP status -> Anthropic's error type
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                         503: "overloaded_error"}
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body for ``status`` (another 4xx, such as a 405: ``invalid_request_error``)."""
-    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class APIError(Exception):

@@ -14,18 +14,38 @@ drains (``UvicornServer``), then the engine shuts down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import uvicorn
 
 from hyla.server.front_door import FrontDoor
 
 logger = logging.getLogger("uvicorn.error")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Serve inside this: SIGTERM (a container's stop), like Ctrl-C, ends it quietly once uvicorn has shut down.
+    uvicorn re-raises the signal that stopped it after its shutdown; SIGTERM's default action would then kill
+    the process (status 143, or -15 to a parent: a stop that looks like a crash). Here it is a
+    ``KeyboardInterrupt``, swallowed, and the command returns 0, as after Ctrl-C."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class UvicornServer(uvicorn.Server):
