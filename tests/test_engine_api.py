@@ -782,3 +782,18 @@ def test_cached_tokens_by_tier_counts_what_a_request_with_prompt_logprobs_could_
     for bad in (-2, 40, True, "1"):
         with pytest.raises(ValueError, match="logprob_start_len"):
             engine.cached_tokens_by_tier(prompt, logprob_start_len=bad)
+
+
+def test_queue_time_is_the_wait_before_the_first_admission(qwen3_next_dense_path):
+    """``meta_info["queue_time"]``: seconds from submission to the first admission to the batch. With one running
+    request at a time the second of two waits out the first's whole generation; a stream's every chunk says the
+    same wait."""
+    with Engine(qwen3_next_dense_path, max_total_tokens=4096, max_state_slots=8, max_running_requests=1) as e:
+        start = time.monotonic()
+        first, second = e.generate(input_ids=[_ids(20, 1), _ids(20, 2)],
+                                   sampling_params={**GREEDY, "max_new_tokens": 40})
+        elapsed = time.monotonic() - start
+        waits = [first["meta_info"]["queue_time"], second["meta_info"]["queue_time"]]
+        assert 0 <= waits[0] < waits[1] < elapsed and waits[1] > 5 * waits[0], waits
+        chunks = list(e.generate(input_ids=_ids(20, 3), sampling_params=GREEDY, stream=True))
+        assert len({c["meta_info"]["queue_time"] for c in chunks}) == 1 and len(chunks) > 1

@@ -555,6 +555,13 @@ def test_metrics(server, client, engine):
     assert "hyla_host_cache_usage" not in after and after["hyla_host_cache_hit_tokens_total"] == 0  # no host tier
     assert after["hyla_time_to_first_token_seconds_count"] - before["hyla_time_to_first_token_seconds_count"] == 2
     assert after["hyla_time_per_output_token_seconds_count"] - before["hyla_time_per_output_token_seconds_count"] == 2
+    # each request's wait in the queue, its lengths, and the waits between its tokens (3 after the first of 4, fewer
+    # where a stream's chunks merged: all 3 of a request's in one chunk at the least)
+    diff = {k: after[k] - before.get(k, 0) for k in after if k.startswith(("hyla_request_", "hyla_inter_token"))}
+    assert diff["hyla_request_queue_time_seconds_count"] == 2 and diff["hyla_request_queue_time_seconds_sum"] >= 0
+    assert diff["hyla_request_generation_tokens_count"] == 2 and diff["hyla_request_generation_tokens_sum"] == 8
+    assert diff["hyla_request_prompt_tokens_sum"] == 2 * (after["hyla_prompt_tokens_total"] - before["hyla_prompt_tokens_total"]) / 2
+    assert 2 <= diff["hyla_inter_token_latency_seconds_count"] <= 6 and diff["hyla_inter_token_latency_seconds_sum"] > 0
     assert after["hyla_requests_finished_total{endpoint=chat,finish_reason=length}"] >= 2
     key = "hyla_http_requests_total{method=POST,route=/v1/chat/completions,status=200}"
     assert after[key] - before.get(key, 0) == 2

@@ -90,6 +90,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     admitted_once: bool = False
     weight_version: str | None = None  # of the weights it runs on (set at its first admission)
+    queue_time: float | None = None  # seconds from arrival_time to its first admission (None: still waiting)
     req_pool_idx: int | None = None
     state_slot: int | None = None
     last_node: Any = None
@@ -211,6 +212,8 @@ class Req:
         }
         if self.weight_version is not None:
             info["weight_version"] = self.weight_version
+        if self.queue_time is not None:
+            info["queue_time"] = self.queue_time
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.spec_num_tokens / self.spec_verify_ct

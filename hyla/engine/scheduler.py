@@ -838,6 +838,7 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         if not req.admitted_once:
             req.admitted_once = True
+            req.queue_time = time.monotonic() - req.arrival_time
             req.weight_version = self.weight_version
             req.cached_tokens = req.cache_protected_len
             self.num_prompt_tokens += len(req.input_ids)

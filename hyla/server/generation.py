@@ -218,7 +218,7 @@ class Generation:
     def _ended(self, choice: Choice, reason: str) -> None:
         """``choice``'s request ended (``reason``: its finish_reason's type): counted, and logged (``--log-requests``)."""
         self.metrics.observe_request(self.endpoint, reason, self.arrival, choice.first_token_time,
-                                     choice.last_token_time, len(choice.output_ids))
+                                     choice.last_token_time, len(choice.output_ids), choice.meta)
         if self.request_log is not None:
             job = self.jobs[choice.index]
             self.request_log.ended(self.endpoint, choice.rid, job.prompt, job.sampling_params, choice.meta,
@@ -238,7 +238,10 @@ class Generation:
                 continue
             if isinstance(item, BaseException):
                 raise engine_error(item, self.endpoint) from item
-            choice.fold(item, time.monotonic())
+            now, previous = time.monotonic(), choice.last_token_time
+            choice.fold(item, now)
+            if previous is not None and item["output_ids"]:
+                self.metrics.observe_tokens(now - previous, len(item["output_ids"]))
             reason = choice.finish_reason
             if reason is not None:
                 self._ended(choice, reason["type"])

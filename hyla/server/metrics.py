@@ -6,7 +6,9 @@ Two sources:
   ``EngineCollector`` — prompt / cached / generated tokens, finished requests, retractions, cache
   hit rate, KV and state pool usage, running and queued requests, decode throughput;
 * what only the server sees, recorded by ``ServerMetrics`` as requests go by — HTTP requests by
-  route and status, time to first token, time per output token, end-to-end latency.
+  route and status, time to first token, time per output token, inter-token latency, end-to-end
+  latency, time in the engine's queue (the engine's ``meta_info["queue_time"]``), and each request's
+  prompt and output lengths.
 
 A registry per app (not the global default) lets tests run several servers in one process.
 """
@@ -67,6 +69,9 @@ ENGINE_GAUGES = (
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# request lengths in tokens: 1, 2, 5, 10, 20, 50 ... 500k (vLLM's 1-2-5 buckets)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))
 
 
 class EngineCollector(Collector):
@@ -120,11 +125,35 @@ class ServerMetrics:
         self.e2e = Histogram(
             f"{PREFIX}_e2e_request_latency_seconds", "Time from receiving a request to its last output token.",
             buckets=E2E_BUCKETS, registry=self.registry)
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds", "Time between consecutive output tokens of a request (a "
+            "chunk of n tokens: its wait since the previous chunk / n, n times).", buckets=TPOT_BUCKETS,
+            registry=self.registry)
+        self.queue_time = Histogram(
+            f"{PREFIX}_request_queue_time_seconds", "Time a request waited in the engine's queue before its first "
+            "admission to the batch.", buckets=QUEUE_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Histogram(
+            f"{PREFIX}_request_prompt_tokens", "Prompt length of each finished request, in tokens.",
+            buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.generation_tokens = Histogram(
+            f"{PREFIX}_request_generation_tokens", "Output length of each finished request, in tokens.",
+            buckets=TOKEN_BUCKETS, registry=self.registry)
+
+    def observe_tokens(self, wait: float, num_tokens: int) -> None:
+        """A request's chunk of ``num_tokens`` new tokens came ``wait`` seconds after its previous one."""
+        for _ in range(num_tokens):
+            self.itl.observe(wait / num_tokens)
 
     def observe_request(self, endpoint: str, finish_reason: str, arrival: float, first_token: float | None,
-                        last_token: float | None, num_output_tokens: int) -> None:
-        """Record one finished engine request (one choice); times are ``time.monotonic()`` values."""
+                        last_token: float | None, num_output_tokens: int, meta: dict[str, Any]) -> None:
+        """Record one finished engine request (one choice); times are ``time.monotonic()`` values, ``meta``
+        its last ``meta_info`` (``prompt_tokens``; ``queue_time`` once it was admitted)."""
         self.finished.labels(endpoint, finish_reason).inc()
+        if meta.get("queue_time") is not None:
+            self.queue_time.observe(meta["queue_time"])
+        if meta.get("prompt_tokens") is not None:
+            self.prompt_tokens.observe(meta["prompt_tokens"])
+        self.generation_tokens.observe(num_output_tokens)
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
         if last_token is not None:
