@@ -1273,6 +1273,31 @@ def test_a_prefix_goes_to_the_decode_worker_it_was_made_for():
         assert _counts(r.url, "hyla_router_prefix_imports_total") == {"imported": 2}
 
 
+
+def test_a_decode_worker_silent_on_an_import_fails_it_within_the_read_timeout():
+    """``read_timeout`` bounds the prefix's import too (it waited for ever): a decode worker silent on
+    ``/import_prefix`` has failed the request, which another worker serves."""
+    hung, seen_hung = _fake_decode_worker(held=0, import_seconds=8.0)
+    live, seen_live = _fake_decode_worker(held=0)
+    prefill = FastAPI()
+
+    @prefill.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @prefill.post("/v1/completions")
+    async def prefill_only():
+        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+
+    with _Uvicorn(hung) as h, _Uvicorn(live) as w, _Uvicorn(prefill) as p, \
+            _Uvicorn(create_router_app([h.url, w.url], prefill_urls=[p.url], policy="round_robin", health_interval=3600,
+                                       local_prefill_tokens=0, read_timeout=0.5)) as r:
+        start = time.monotonic()
+        answer = httpx.post(r.url + "/v1/completions", json={"prompt": "moved"}, timeout=30)
+        assert answer.status_code == 200 and time.monotonic() - start < 6
+        assert seen_live == {"imports": [b"prefix bytes"], "served": ["moved"]} and seen_hung["served"] == []
+        assert [w["healthy"] for w in httpx.get(r.url + "/workers").json()["workers"]] == [False, True]
+
 def test_a_client_that_leaves_while_its_prompt_moves_is_not_served():
     decode, seen = _fake_decode_worker(held=0, import_seconds=1.0)
     prefill = FastAPI()

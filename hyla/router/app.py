@@ -756,9 +756,10 @@ class RouterApp:
 
     async def _import(self, w: Worker, prefix: bytes, headers: dict[str, str]) -> None:
         """Put a prefill worker's ``prefix`` into worker ``w``'s cache (``/import_prefix``). A refusal is
-        logged (``w`` then computes the prompt itself); a transport error propagates (``w`` failed)."""
+        logged (``w`` then computes the prompt itself); a transport error propagates (``w`` failed), silence
+        past ``read_timeout`` included, as on a forwarded request."""
         try:
-            answer = await self.client.post(w.url + "/import_prefix", content=prefix,
+            answer = await self.client.post(w.url + "/import_prefix", content=prefix, timeout=self.request_timeout,
                                             headers={**headers, "content-type": "application/octet-stream"})
         except httpx.DecodingError as exc:  # (an answer that cannot be read: taken or not, w computes what it lacks)
             self.imports.labels("short").inc()
