@@ -422,6 +422,25 @@ def test_deferred_saves_hold_bounded_staging_memory(monkeypatch) -> None:
     assert host.num_in_flight == 0 and host.staged_bytes == 0 and load_and_check(tree, host, y) == 12
 
 
+
+def test_a_save_too_large_to_defer_lands_the_saves_in_flight_first(monkeypatch) -> None:
+    """A save past ``MAX_STAGED_BYTES`` is copied at once; the host evicted an older save still in flight to make
+    room for it and gave it that save's rows and state slot: the older save lands first, not later over the new
+    one's rows (a later hit loaded stale KV and state)."""
+    from hyla.cache import host_cache
+
+    monkeypatch.setattr(host_cache, "MAX_STAGED_BYTES", 1000)  # a: 10 tokens, deferred; b: 30, copied at once
+    tree, host = make(kv_tokens=64, slots=8, host_tokens=32, host_slots=1, defer=True)
+    a, b = tokens_of(10, 1), tokens_of(30, 2)
+    put(tree, a)
+    tree.evict(10)
+    assert host.num_in_flight == 1
+    put(tree, b)
+    tree.evict(30)  # the host evicts a (its rows and its one state slot) for b
+    assert host.num_in_flight == 0 and host.tree.match_prefix(a).prefix_len == 0
+    assert load_and_check(tree, host, b) == 30
+    host.check_integrity()
+
 def test_a_checkpoint_only_save_in_flight_lands_before_its_load() -> None:
     """A save that adds only a checkpoint (the host holds its path's KV already) is in flight with no KV rows:
     a load of that prefix lands it for its state slot."""

@@ -67,3 +67,34 @@ def test_a_flat_checkpoint_list_with_a_batch_is_a_value_error(qwen3_next_dense_p
             eng.generate(input_ids=[5, 6, 7, 8], checkpoints=[3], speculative_checkpoints="yes")
         assert eng.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]], checkpoints=[[3], [2]],
                             sampling_params=_greedy(2))[1]["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_failed_load_from_the_host_tier_runs_the_request_on_the_devices_hit(qwen3_next_dense_path, monkeypatch,
+                                                                             caplog):
+    """A load from the host tier whose copy raises (a device out of memory) is logged and the request runs on
+    the device's own hit, as without the tier (docs/cache.md); it was aborted with an internal error."""
+    from hyla.cache import HostCache
+
+    prompt, others = _ids(120, 7), [_ids(120, 8 + i) for i in range(4)]
+    opts = dict(max_total_tokens=300, max_state_slots=16, max_running_requests=2, debug_checks=True)
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **opts) as ref:
+        want = ref.generate(input_ids=prompt, sampling_params=_greedy(4), return_logprob=True)
+    with Engine(qwen3_next_dense_path, enable_hierarchical_cache=True, **opts) as eng:
+        for ids in [prompt] + others:  # the prompt's prefix evicted to the host tier
+            eng.generate(input_ids=ids, sampling_params=_greedy(4))
+        assert eng.cached_tokens(prompt, device_only=True) == 0 and eng.cached_tokens(prompt) > 0
+
+        def fails(self, *args, **kwargs):
+            raise RuntimeError("CUDA out of memory (injected)")
+
+        monkeypatch.setattr(HostCache, "load", fails)
+        with caplog.at_level("ERROR", logger="hyla.engine"):
+            out = eng.generate(input_ids=prompt, sampling_params=_greedy(4), return_logprob=True)
+        assert out["meta_info"]["finish_reason"]["type"] == "length" and out["output_ids"] == want["output_ids"]
+        assert out["meta_info"]["cached_tokens"] == 0 and "from the host tier failed" in caplog.text
+        for (a, _, _), (b, _, _) in zip(out["meta_info"]["output_token_logprobs"],
+                                        want["meta_info"]["output_token_logprobs"]):
+            assert abs(a - b) < 1e-4
+        monkeypatch.undo()
+        again = eng.generate(input_ids=prompt, sampling_params=_greedy(4))
+        assert again["output_ids"] == want["output_ids"]

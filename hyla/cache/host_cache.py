@@ -164,6 +164,8 @@ class HostCache:
             defer = self.defer and size <= MAX_STAGED_BYTES  # (a larger save: copied a block at a time, waiting)
             while defer and self._in_flight and self.staged_bytes + size > MAX_STAGED_BYTES:
                 self._land(1)
+            if not defer:  # written now: an older save still in flight may write rows this one was given
+                self._land(len(self._in_flight))  # (freed by the eviction above); it lands first, not over these
             try:
                 landings = [self.kv_pool.copy_from(device.kv_pool, slots[have:], new, defer)]
                 if host_slot is not None:

@@ -53,6 +53,7 @@ Ownership and locks — the whole contract:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import ContextManager, Sequence
@@ -62,6 +63,8 @@ import torch
 from hyla.cache import (CacheLayout, CacheLedger, CachedPrefix, Checkpoint, HostCache, KVPool, MatchResult, RadixCache,
                         ReqToTokenPool, StatePool)
 from hyla.engine.request import Req, prompt_logits_start
+
+logger = logging.getLogger("hyla.engine")
 
 StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
 
@@ -282,6 +285,9 @@ class CacheManager:
             if self._adopt(tokens[:end], req.namespace, hit, lambda start, kv, slot: self.host.load(
                     host_hit, start, kv, slot), cause=HOST_LOAD):
                 self._host_hits[id(req)] = end - hit.prefix_len  # counted if the admission succeeds
+        except Exception:  # (a copy out of memory): nothing leaked (_adopt), the device's own hit stands
+            logger.exception("loading request %s's prefix from the host tier failed; it runs on the device's hit",
+                             req.rid)
         finally:
             self.host.unlock(host_hit)
         return self.peek(req)
