@@ -573,6 +573,67 @@ def test_a_broadcast_that_must_reach_every_worker_waits_for_the_unhealthy(path, 
         assert sent == []
 
 
+
+def _restartable_worker():
+    """A worker whose ``/health`` names its instance (``state["instance"]``: a new one, a restart) and that records
+    the weight updates and adapter loads and unloads it takes (answering ``state["status"]``)."""
+    app, state = FastAPI(), {"instance": "first", "status": 200, "took": []}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok", "cache_id": state["instance"] + ".0", "instance_id": state["instance"]})
+
+    async def take(request: Request):
+        body = json.loads(await request.body())
+        state["took"].append((request.url.path, body.get("lora_name") or body.get("model_path"),
+                              request.headers.get("authorization")))
+        return JSONResponse({"success": state["status"] == 200}, status_code=state["status"])
+
+    for path in ("/update_weights_from_disk", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        app.post(path)(take)
+    return app, state
+
+
+def test_a_restarted_worker_gets_the_weights_and_adapters_again_before_any_request():
+    """A worker restarted behind the router (its ``/health``'s ``instance_id`` is new) serves its start-up's weights
+    and adapters; it stays unhealthy while the router sends it again what every worker took — the last weight
+    update, then the adapters loaded and not unloaded since, in order, with the headers they came with — and is
+    healthy once it took them; one that refuses them stays unhealthy, tried again at the next check."""
+    apps = [_restartable_worker() for _ in range(2)]
+    key = {"Authorization": "Bearer k"}
+    with _Uvicorn(apps[0][0]) as a, _Uvicorn(apps[1][0]) as b, \
+            _Uvicorn(create_router_app([a.url, b.url], health_interval=0.2)) as r:
+        for path, body in [("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/x"}),
+                           ("/v1/load_lora_adapter", {"lora_name": "old", "lora_path": "/y"}),
+                           ("/update_weights_from_disk", {"model_path": "/new"}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "old"}),
+                           ("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": "/z"})]:
+            assert httpx.post(r.url + path, json=body, headers=key).status_code == 200
+        restarted = apps[0][1]
+        restarted["took"].clear()
+        restarted["status"] = 500  # (it cannot take them yet)
+        restarted["instance"] = "second"
+
+        def health() -> list[bool]:
+            return [w["healthy"] for w in httpx.get(r.url + "/workers").json()["workers"]]
+
+        deadline = time.monotonic() + 10
+        while not restarted["took"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the next checks try again)
+        assert health() == [False, True] and len(restarted["took"]) >= 2  # (the first refusal stops each try)
+        restarted["took"].clear()
+        restarted["status"] = 200
+        while health() != [True, True]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert restarted["took"] == [("/update_weights_from_disk", "/new", "Bearer k"),
+                                     ("/v1/load_lora_adapter", "sql", "Bearer k"),
+                                     ("/v1/load_lora_adapter", "chat", "Bearer k")]
+        assert apps[1][1]["took"][-1] == ("/v1/load_lora_adapter", "chat", "Bearer k")  # (the other: nothing again)
+        assert len(apps[1][1]["took"]) == 5
+
 def test_a_worker_silent_on_a_broadcast_fails_it_in_time(monkeypatch):
     """A worker hung on ``/abort_request`` (or ``/flush_cache``) held the operator's request forever: past
     ``BROADCAST_SECONDS`` it has failed it, a 502 naming it."""

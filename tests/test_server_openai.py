@@ -79,7 +79,8 @@ def test_models_and_health(server, client, engine):
     assert card.id == MODEL and card.owned_by == "hyla"
     assert card.model_extra["max_model_len"] == engine.context_length
     health = httpx.get(server.url + "/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "cache_id": engine.cache_id, "model": MODEL}
+    assert health.status_code == 200 and health.json() == {"status": "ok", "cache_id": engine.cache_id,
+                                                           "instance_id": engine.instance_id, "model": MODEL}
 
 
 # --------------------------------------------------------------------------------------------

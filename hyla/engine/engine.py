@@ -1190,6 +1190,12 @@ class Engine:
         return f"{self._instance}.{self.scheduler.num_flushes}"
 
     @property
+    def instance_id(self) -> str:
+        """Names this engine, one of its kind: a restarted server's is new (it serves its own start-up's
+        weights and adapters, not those a router sent the one before it)."""
+        return self._instance
+
+    @property
     def is_alive(self) -> bool:
         """The engine serves: not shut down, and its scheduler thread runs (it survives any failed
         step; should it die all the same, requests are refused, not left waiting forever)."""

@@ -317,6 +317,10 @@ class Worker:
     in_flight: int = 0  # requests forwarded whose answer has not been delivered whole
     routed: int = 0  # requests forwarded in all
     cache_id: str | None = None  # its /health's cache_id when last seen (a new one: its cache was emptied)
+    instance_id: str | None = None  # its /health's instance_id when last seen (a new one: it restarted)
+    # it restarted and lacks the weights and adapters broadcast before: unhealthy until they are sent again
+    needs_replay: bool = False
+    replay: asyncio.Task | None = None  # sending them now
 
 
 class OwnerUnavailable(Exception):
@@ -381,6 +385,10 @@ class RouterApp:
         self.response_owner: OrderedDict[str, int] = OrderedDict()
         self.base_model: str | None = None  # the served model's name, as the workers' /health gives it (routing_key)
         self.moves: set[Move] = set()  # the requests whose prompts move now
+        # what every worker must have been sent, in order (a restarted worker gets it again before any request):
+        # the last weight update, then each adapter loaded and not unloaded since; (path, body, headers) by
+        # "weights" or ("lora", name)
+        self.broadcast_state: OrderedDict[Any, tuple[str, bytes, dict]] = OrderedDict()
         self.registry = CollectorRegistry()
         self.requests = Counter("hyla_router_requests", "Requests forwarded, by worker and why it was chosen.",
                                 ["worker", "reason"], registry=self.registry)
@@ -416,38 +424,90 @@ class RouterApp:
         await self.check_health()
 
     async def stop(self) -> None:
+        for w in self.workers + self.prefill_workers:
+            if w.replay is not None:
+                w.replay.cancel()
         if self.client is not None:
             await self.client.aclose()
 
     async def check_health(self) -> None:
         """Ask every worker's ``/health`` (at once): 200 within the connect timeout is healthy. A worker whose
         answer names another ``cache_id`` than before emptied its prefix cache (a flush, a weight update, a
-        restart): its table is cleared, so that the prompts sent there before no longer draw requests to it."""
+        restart): its table is cleared, so that the prompts sent there before no longer draw requests to it. One
+        whose ``instance_id`` is new restarted: it serves its own start-up's weights and adapters, so it stays
+        unhealthy while the weight update and the adapters broadcast before are sent to it again (``_replay``)."""
         tables = {id(w): table for w, table in self.all_workers()}
 
         async def one(w: Worker) -> None:
-            cache_id = None
+            answer: Any = None
             try:
                 r = await self.client.get(w.url + "/health", timeout=self.timeout.connect)
                 ok = r.status_code == 200
                 if ok:
                     with contextlib.suppress(ValueError):
                         answer = r.json()
-                        cache_id = answer.get("cache_id") if isinstance(answer, dict) else None
-                        if isinstance(answer, dict) and isinstance(answer.get("model"), str):
-                            self.base_model = answer["model"]
             except httpx.HTTPError:
                 ok = False
-            if ok != w.healthy:
-                logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy")
+            answer = answer if isinstance(answer, dict) else {}
+            if isinstance(answer.get("model"), str):
+                self.base_model = answer["model"]
+            cache_id, instance_id = answer.get("cache_id"), answer.get("instance_id")
             if isinstance(cache_id, str):
                 if w.cache_id is not None and cache_id != w.cache_id:
                     logger.info("worker %s emptied its prefix cache (or restarted): its routing table is cleared",
                                 w.url)
                     tables[id(w)].clear()
                 w.cache_id = cache_id
+            if isinstance(instance_id, str):
+                if w.instance_id is not None and instance_id != w.instance_id and self.broadcast_state:
+                    logger.warning("worker %s restarted: it gets the weight update and LoRA adapters sent to every "
+                                   "worker again before any request", w.url)
+                    w.needs_replay = True
+                w.instance_id = instance_id
+            if ok and w.needs_replay:  # (healthy once what it lacks is sent)
+                if w.replay is None:
+                    w.replay = asyncio.create_task(self._replay(w))
+                ok = False
+            if ok != w.healthy:
+                logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy")
             self._set_health(w, ok)
         await asyncio.gather(*(one(w) for w in self.workers + self.prefill_workers))
+
+    async def _replay(self, w: Worker) -> None:
+        """Send restarted worker ``w`` what every worker was sent (``broadcast_state``, in order); healthy once it
+        took all of it, else unhealthy still, tried again at the next health check."""
+        try:
+            for path, body, headers in list(self.broadcast_state.values()):
+                try:
+                    answer = await self.client.post(w.url + path, content=body, headers=headers,
+                                                    timeout=httpx.Timeout(None, connect=self.timeout.connect))
+                except httpx.HTTPError as exc:
+                    logger.warning("worker %s failed %s again (%r): unhealthy still", w.url, path, exc)
+                    return
+                if answer.status_code != 200:
+                    logger.warning("worker %s refused %s again (%d: %s): unhealthy still", w.url, path,
+                                   answer.status_code, answer.text[:300])
+                    return
+            w.needs_replay = False
+            logger.warning("worker %s took the weight update and adapters again: healthy", w.url)
+            self._set_health(w, True)
+        finally:
+            w.replay = None
+
+    def _remember_broadcast(self, path: str, raw: bytes, headers: dict) -> None:
+        """A weight update or an adapter's load or unload every worker took: what a restarted worker gets again."""
+        if path == "/update_weights_from_disk":
+            self.broadcast_state["weights"] = (path, raw, headers)
+            self.broadcast_state.move_to_end("weights", last=False)  # (first: the adapters apply to new weights)
+            return
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            name = json.loads(raw).get("lora_name")
+            if isinstance(name, str):
+                if path == "/v1/load_lora_adapter":
+                    self.broadcast_state.pop(("lora", name), None)
+                    self.broadcast_state[("lora", name)] = (path, raw, headers)
+                else:
+                    self.broadcast_state.pop(("lora", name), None)
 
     async def health_loop(self) -> None:
         while True:
@@ -934,6 +994,8 @@ class RouterApp:
         if failed is not None:
             return failed
         bad = [a for a in answers if a.status_code >= 400]
+        if path in ALL_WORKERS_PATHS and not bad:
+            self._remember_broadcast(path, raw, self.forwarded_headers(request))
         first = bad[0] if bad else answers[0]
         return _headers(Response(first.content, status_code=first.status_code), first)
 

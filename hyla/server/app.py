@@ -135,15 +135,18 @@ class Server:
             engine.shutdown()
 
     def health(self) -> tuple[int, dict]:
-        """``/health``'s status and body: 200 ``{"status": "ok", "cache_id": ..., "model": ...}`` while the engine
-        runs and the server admits requests (``cache_id``: ``Engine.cache_id``, which a router reads to forget what
-        it knew of this cache once it was emptied or the server restarted; ``model``: the served model's name, which
-        a router routes as no adapter), else ``admit``'s 503. Safe to call from any thread (the front door's)."""
+        """``/health``'s status and body: 200 ``{"status": "ok", "cache_id": ..., "instance_id": ..., "model": ...}``
+        while the engine runs and the server admits requests (``cache_id``: ``Engine.cache_id``, which a router
+        reads to forget what it knew of this cache once it was emptied or the server restarted; ``instance_id``:
+        ``Engine.instance_id``, new after a restart, when a router sends again the weight update and adapters it
+        broadcast; ``model``: the served model's name, which a router routes as no adapter), else ``admit``'s 503.
+        Safe to call from any thread (the front door's)."""
         try:
             engine = self.admit()
         except APIError as exc:
             return exc.status, exc.body()
-        return 200, {"status": "ok", "cache_id": engine.cache_id, "model": self.model_name}
+        return 200, {"status": "ok", "cache_id": engine.cache_id, "instance_id": engine.instance_id,
+                     "model": self.model_name}
 
     def admit(self) -> Engine:
         """The engine, for a new request; a 503 while it is not running or the server shuts down."""
