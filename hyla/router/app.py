@@ -52,7 +52,8 @@ decode workers only.
 
 A worker is healthy until it fails a request, answers a 503, or its ``/health`` does not answer 200
 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
-passes again. A request the worker fails before answering (no connection, a reset), or refuses with
+passes again. A worker that restarted (a new ``instance_id`` in its ``/health``) stays unhealthy while the
+router sends it again the last weight update and the adapters loaded since (``broadcast_state``). A request the worker fails before answering (no connection, a reset), or refuses with
 a 503, is sent to another worker (each at most once); with none left the client gets a 503 with an
 OpenAI-style body (Anthropic's on ``/v1/messages``, as the router's own 401, 404 and 413) (or, where no other worker is healthy, the 503 of the last one tried). A 429 (the
 worker's waiting queue is full) sends the request to another worker too, the first staying healthy; the
