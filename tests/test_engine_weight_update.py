@@ -212,6 +212,38 @@ def test_a_prefix_of_the_old_weights_is_not_imported_after_an_update(qwen3_next_
     assert hit["meta_info"]["cached_tokens"] == len(new)
 
 
+
+def test_an_unnamed_update_still_refuses_a_prefix_of_the_old_weights(qwen3_next_dense_path, other_seed_path,
+                                                                     tmp_path):
+    """An update without a ``weight_version`` (SGLang's default) keeps the name: the prefix exported before it
+    carried the same name and was imported, and requests hitting it ran on the old weights' KV and state (output
+    of neither model). The prefix carries a digest of the weights' values too (``weights_digest``): refused, as
+    bytes or as the object; a prefix exported after the update is taken, and so is one from another engine
+    serving the same weights (the digest is of the values, not of a process); an update back to the first
+    checkpoint takes the first export again."""
+    prompt = list(range(3, 60))
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        engine.generate(input_ids=prompt, sampling_params=_greedy(1))
+        old = engine.export_prefix(prompt)
+        engine.update_weights_from_disk(other_seed_path)
+        assert engine.weight_version == old.weight_version == "default" and old.weights_digest
+        for given in (old, old.to_bytes()):
+            with pytest.raises(ValueError, match="other weights than those served now"):
+                engine.import_prefix(given)
+        assert engine.cached_tokens(prompt) == 0
+        engine.generate(input_ids=prompt, sampling_params=_greedy(1))
+        new = engine.export_prefix(prompt)
+        assert new.weights_digest != old.weights_digest
+        with Engine(other_seed_path, **OPTS) as other:  # (a fresh engine of the new weights takes it)
+            assert other.import_prefix(new.to_bytes()) == len(new)
+            hit = other.generate(input_ids=prompt, sampling_params=_greedy(8))
+            assert hit["meta_info"]["cached_tokens"] == len(new)
+        engine.update_weights_from_disk(qwen3_next_dense_path)  # (back: the first export is of these weights)
+        engine.flush_cache()
+        assert engine.import_prefix(old) == len(old)
+        assert_drained(engine)
+    assert hit["output_ids"] == _reference(other_seed_path, [prompt], 8)[0]
+
 def test_an_update_waiting_for_another_keeps_its_timeout(qwen3_next_dense_path, other_seed_path, monkeypatch):
     """A second update asked while one runs waits for it at most its own ``timeout``: a ``TimeoutError``
     that changed nothing; the first lands, and the engine serves it."""

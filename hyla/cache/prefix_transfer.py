@@ -21,8 +21,9 @@ the *receiving* cache's layout and refuses (``ValueError``) a buffer of another 
 prefix of another model, another KV dtype, another draft model; ``check_fits`` checks a prefix object's
 layout the same way. ``check_values`` refuses NaN and infinite values in its KV rows or state (one
 read of them: their minimum and maximum, a float8 buffer's byte counts; several times cheaper than
-the copy in). ``weight_version``: the name of the weights that computed it, which the receiver
-compares with its own (``Engine.import_prefix``); opaque here. Knows nothing of models.
+the copy in). ``weight_version``: the name of the weights that computed it, and ``weights_digest``: a
+digest of their values (an update may leave the name as it was), which the receiver compares with its own
+(``Engine.import_prefix``); both opaque here. Knows nothing of models.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ CHECK_BLOCK_BYTES = 64 << 20  # rows gathered at a time to check them where they
 class CachedPrefix:
     """``token_ids`` in ``namespace``, the KV of positions ``kv_start`` on (position ``i`` at
     ``kv_rows[i - kv_start]`` of ``kv``) and, for a cache with states, the state after the last token
-    (``state_slot`` of ``state``), computed by the weights named ``weight_version`` (None: not named)."""
+    (``state_slot`` of ``state``), computed by the weights named ``weight_version`` (None: not named) whose values'
+    digest is ``weights_digest`` (None: not known)."""
 
     token_ids: tuple[int, ...]
     namespace: Hashable
@@ -62,6 +64,7 @@ class CachedPrefix:
     state_slot: int | None
     kv_start: int = 0
     weight_version: str | None = None
+    weights_digest: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -143,7 +146,7 @@ class CachedPrefix:
         meta = {"format": FORMAT, "token_ids": json.dumps(list(self.token_ids)),
                 "namespace": json.dumps(_namespace_to_json(self.namespace)),
                 "has_state": json.dumps(self.state is not None), "kv_start": json.dumps(self.kv_start),
-                "weight_version": json.dumps(self.weight_version)}
+                "weight_version": json.dumps(self.weight_version), "weights_digest": json.dumps(self.weights_digest)}
         return save_tensors(tensors, metadata=meta)
 
     @classmethod
@@ -160,6 +163,7 @@ class CachedPrefix:
             has_state = json.loads(meta["has_state"])
             kv_start = json.loads(meta.get("kv_start", "0"))
             weight_version = json.loads(meta.get("weight_version", "null"))
+            weights_digest = json.loads(meta.get("weights_digest", "null"))
         except ValueError:
             raise
         except Exception as exc:  # safetensors' own errors, a missing key, bad JSON
@@ -170,8 +174,9 @@ class CachedPrefix:
             raise ValueError("a cached prefix's token_ids must be a non-empty list of the cache's keys (64-bit ints)")
         if isinstance(kv_start, bool) or not isinstance(kv_start, int):
             raise ValueError(f"a cached prefix's kv_start must be a position, got {kv_start!r}")
-        if weight_version is not None and not isinstance(weight_version, str):
-            raise ValueError(f"a cached prefix's weight_version must be a string, got {weight_version!r}")
+        for field_name, value in (("weight_version", weight_version), ("weights_digest", weights_digest)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"a cached prefix's {field_name} must be a string, got {value!r}")
         if not isinstance(has_state, bool):
             raise ValueError(f"a cached prefix's has_state must be true or false, got {has_state!r}")
         _check_state_presence(has_state, with_state)
@@ -193,7 +198,7 @@ class CachedPrefix:
                 raise ValueError(f"the cached prefix's {name} is {tuple(t.shape)} {t.dtype}, this cache's "
                                  f"{(len(rows), *buf.shape[1:])} {buf.dtype}: a prefix of another model or cache layout")
             put_rows_(buf, rows, t)
-        out.weight_version = weight_version
+        out.weight_version, out.weights_digest = weight_version, weights_digest
         return out
 
 

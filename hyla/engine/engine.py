@@ -54,7 +54,7 @@ from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter, beam_kv_slots
 from hyla.engine.streams import AsyncRequestStream, RequestStream
 from hyla.engine.warmup import warm_up, warmup_enabled
-from hyla.engine.weight_update import NewWeights
+from hyla.engine.weight_update import NewWeights, weights_digest
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 from hyla.model.image_processing import (ImageProcessorConfig, ProcessedImage, image_tokens, load_image, open_image,
@@ -247,6 +247,7 @@ class Engine:
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter, loras=self.loras)
         self._instance = uuid.uuid4().hex[:12]  # (cache_id)
+        self._weights_digest: str | None = None  # (_served_weights_digest)
         self.scheduler.weight_version = self.args.weight_version
         if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
@@ -605,10 +606,10 @@ class Engine:
         if isinstance(kv_from, bool) or not isinstance(kv_from, int) or kv_from < 0:
             raise ValueError(f"kv_from must be a position (an int >= 0), got {kv_from!r}")
 
-        def export() -> CachedPrefix | None:  # (with the name of the weights that computed it, read between steps)
+        def export() -> CachedPrefix | None:  # (with the name and digest of the weights that computed it, read between steps)
             prefix = self.cache.export_prefix(ids, namespace, self.cache_layout, kv_from)
             if prefix is not None:
-                prefix.weight_version = self.weight_version
+                prefix.weight_version, prefix.weights_digest = self.weight_version, self._served_weights_digest()
             return prefix
         return self._on_scheduler_thread(export, timeout)
 
@@ -687,6 +688,13 @@ class Engine:
 
         def copy_in() -> int:  # (its weights asked again between steps: an update may have come since)
             self._check_weights_of(prefix)
+            if self.tree is not None:  # (another layout first: the likelier cause, which its message names)
+                prefix.check_fits(self.kv_pool, self.tree.state_pool)
+            if prefix.weights_digest is not None and prefix.weights_digest != self._served_weights_digest():
+                raise ValueError("the prefix was computed by other weights than those served now (their values' "
+                                 "digests differ, whatever their weight_version: exported before a weight update, or "
+                                 "by a server of another checkpoint or quantization): its KV and state are not what "
+                                 "these weights compute")
             return self.cache.import_prefix(prefix)
         return self._on_scheduler_thread(copy_in, timeout)
 
@@ -713,6 +721,14 @@ class Engine:
                              f"context length is {self.context_length})")
         _check_namespace(prefix.namespace)
         self._check_weights_of(prefix)
+
+    def _served_weights_digest(self) -> str:
+        """``weights_digest`` of the weights served (the model's, the MTP head's, the draft model's: the prefix holds
+        the draft's KV too), computed at its first use and after each update; on the scheduler thread only, between
+        steps (an update's ``apply`` runs there too)."""
+        if self._weights_digest is None:
+            self._weights_digest = weights_digest(self.model, self.mtp_head, self.draft_model)
+        return self._weights_digest
 
     def _check_weights_of(self, prefix: CachedPrefix) -> None:
         """``ValueError`` unless ``prefix`` was computed by the weights served now (by their name,
@@ -769,6 +785,7 @@ class Engine:
                     time.sleep(0.005)
 
                 def apply() -> None:  # (the weights served now came from model_path: read back should a read fail)
+                    self._weights_digest = None  # (a failed apply reads the old weights back: computed again anyway)
                     new.apply(self.model, self.mtp_head, self.scheduler, self.model_path)
                     self.scheduler.weight_version = version
                     self.model_path = new.path
