@@ -567,6 +567,45 @@ def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
         assert engine.generate("Hello there", sampling_params=_greedy(8))["output_ids"] == after["output_ids"]
 
 
+
+def test_updates_waiting_their_turn_hold_no_thread_and_apply_in_order(tiny_ckpt_dir, monkeypatch):
+    """Eight updates at once (a trainer's client retrying): each waited for the one before on a thread of the
+    event loop's pool (six on two cores), so the pool was full and every endpoint that works off the loop
+    (``/tokenize``, chat rendering) hung while ``/health`` said ok. They wait their turn on the loop now, and
+    apply in the order they came."""
+    import concurrent.futures
+    import threading
+
+    import httpx
+
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from test_server_openai import make_chat_model
+
+    path = make_chat_model(tiny_ckpt_dir)
+    applied, release = [], threading.Event()
+
+    def slow_update(self, model_path, **kwargs):
+        release.wait(30)
+        applied.append(kwargs["weight_version"])
+        return {"model_path": str(model_path), "weight_version": kwargs["weight_version"],
+                "num_aborted_requests": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(Engine, "update_weights_from_disk", slow_update)
+    with BackgroundServer(create_app(path, **OPTS)) as srv, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        updates = []
+        try:
+            for i in range(8):  # (sent one after the other: their order of arrival is known)
+                updates.append(pool.submit(httpx.post, srv.url + "/update_weights_from_disk", timeout=60,
+                                           json={"model_path": str(path), "weight_version": f"v{i}"}))
+                time.sleep(0.05)
+            answer = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello there"}, timeout=10)
+            assert answer.status_code == 200 and answer.json()["tokens"], answer.text
+        finally:
+            release.set()
+        assert [u.result().status_code for u in updates] == [200] * 8
+    assert applied == [f"v{i}" for i in range(8)]
+
 def test_a_failed_recompile_serves_the_new_weights_eager(qwen3_next_dense_path, other_seed_path, monkeypatch, caplog):
     """``compile_decode``'s graphs compiled again after the weights were written, and the compile fails
     (inductor's cache dir full, say): the old graphs (the old weights as constants) are dropped all the

@@ -47,6 +47,10 @@ class NativeRoutes:
 
     def __init__(self, server: Server):
         self.server = server
+        # weight updates one at a time, in arrival order, waiting here (not on a thread of the event loop's pool:
+        # updates that wait for the running requests or for each other took every one, and every endpoint that
+        # parses or renders off the loop hung behind them)
+        self._update_turn = asyncio.Lock()
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -165,12 +169,14 @@ class NativeRoutes:
         ``weight_version``; a checkpoint of another model is a 400 (``param`` model_path), running
         requests that do not finish in ten minutes a 409 (``engine_busy``), an update that failed on
         the server's side (the weights left inconsistent: ``RuntimeError``) a 500
-        (``weight_update_failed``), the body's ``success`` false in all three."""
+        (``weight_update_failed``), the body's ``success`` false in all three. Updates run one at a time in
+        the order they came, each waiting for its turn here, holding no thread."""
         engine = self.server.admit()
         try:
-            done = await asyncio.to_thread(engine.update_weights_from_disk, body.model_path,
-                                           abort_all_requests=body.abort_all_requests,
-                                           weight_version=body.weight_version)
+            async with self._update_turn:
+                done = await asyncio.to_thread(engine.update_weights_from_disk, body.model_path,
+                                               abort_all_requests=body.abort_all_requests,
+                                               weight_version=body.weight_version)
         except ValueError as exc:
             raise WeightUpdateFailed(400, f"the weights were not updated: {exc}", param="model_path") from None
         except TimeoutError as exc:
