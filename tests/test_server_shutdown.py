@@ -14,7 +14,7 @@ import pytest
 
 from hyla.server.app import create_app
 from hyla.server.launch import BackgroundServer
-from test_server_cli import ServeProcess
+from test_server_cli import ServeProcess, _free_port
 from test_server_errors import _assert_error
 from test_server_openai import MODEL, make_chat_model
 
@@ -115,3 +115,35 @@ def test_sigterm_drains_and_exits_0(model_dir, tmp_path):
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert "shutting down: aborting 1 requests still running" in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_starting_exits_at_once(model_dir, tmp_path, sig):
+    """SIGTERM or Ctrl-C while the engine still starts (here compiling the decode graphs, a minute or more on a
+    small CPU) exits at once with status 0: nothing listens or runs yet, so nothing drains (uvicorn looked at its
+    exit flag only after the start-up: one Ctrl-C waited out the compile, three ended in a traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log_path = tmp_path / "serve.log"
+    repo = Path(__file__).parents[1]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hyla.cli", "serve", "--model", str(model_dir), "--port", str(_free_port()),
+                                 "--compile-decode", "--max-total-tokens", "4096", "--max-state-slots", "16"],
+                                cwd=repo, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while "compiling the decode graphs" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+        assert time.monotonic() - start < 10 and "while starting: exiting" in log_path.read_text()
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import socket
 import threading
@@ -97,6 +98,16 @@ class UvicornServer(uvicorn.Server):
             host, port = sock.getsockname()[:2]
             logger.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", "https" if self.config.ssl else "http",
                         f"[{host}]" if ":" in host else host, port)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """A signal (SIGINT, SIGTERM) while the app still starts (its lifespan builds the engine: loading, compiling,
+        capturing graphs, minutes with ``compile_decode``) exits the process at once, status 0: nothing listens or
+        runs yet, so nothing drains, and uvicorn would look at its exit flag only after the start-up (one Ctrl-C
+        waited out a 140 s compile; three ended in a traceback). Once started, uvicorn's own handling (the drain)."""
+        if not self.started:
+            os.write(2, f"hyla serve: stopped by signal {sig} while starting: exiting\n".encode())
+            os._exit(0)
+        super().handle_exit(sig, frame)
 
     def _protocol(self) -> asyncio.Protocol:
         """A connection's protocol, as uvicorn makes it for the connections it accepts itself."""
