@@ -120,8 +120,11 @@ def replay_study(args) -> None:
     model = resolve_model(args.replay)
     layout, latency = model.layout, LatencyModel()
     trace = replay_trace(args.seed, args.sessions, args.turns, min(model.vocab_size or 32000, 32000))
+    # (the engine at the checkpoint's dtype, as the layout's bytes below are: the replay sizes its pools at the
+    # engine's dtype, float32 by default)
     pools = dict(max_total_tokens=args.kv_tokens, max_state_slots=args.state_slots, max_running_requests=8,
-                 chunked_prefill_size=8192, page_size=args.page_size)
+                 chunked_prefill_size=8192, page_size=args.page_size,
+                 dtype=str(layout.kv_dtype).removeprefix("torch."))
     later = [i for i, r in enumerate(trace) if r.turn_id]  # turns after each session's first
     prompt = sum(len(trace[i].input_tokens) for i in later)
     rows = []

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hyla.cli import main as hyla_main
-from hyla.sim.cli import parse_size
+from hyla.sim.cli import format_size, parse_size
 from hyla.sim.simulator import SimResult
 from hyla.sim.sweep import SweepPoint, format_summary, format_table, summarize
 from hyla.sim.trace import TraceRequest, write_trace
@@ -86,6 +86,24 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, argv, message):
     assert hyla_main(["sim", str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_a_cache_size_given_twice_is_refused(tmp_path, capsys):
+    """``1GB,1000MB`` would run the same configurations twice, as two rows and two plot points."""
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--no-progress", "--cache-size", "1GB,2GB,1000MB"]) == 2
+    captured = capsys.readouterr()
+    assert "--cache-size lists 1GB (1,000,000,000 bytes) more than once" in captured.err
+    assert "token hit" not in captured.out
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--no-progress", "--policy", "lru,hyla,lru"]) == 2
+    assert "--policy lists lru more than once" in capsys.readouterr().err
+
+
+def test_the_results_table_prints_sizes_in_units_not_exponents(tmp_path, capsys):
+    assert [format_size(b) for b in (10**14, 4 * 10**9, 2 * 2**30, 512 * 10**6, 1500, 999, 10**18)] == [
+        "100TB", "4GB", "2.15GB", "512MB", "1.5KB", "999B", "1,000,000TB"]
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--no-progress", "--cache-size", "100TB"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.split()[:2] == ["hyla", "100TB"]
+
+
 def test_parse_size():
     assert parse_size("4GB") == 4 * 10**9
     assert parse_size("1.5GiB") == 3 * 2**29
@@ -134,6 +152,9 @@ def test_sweep_options_with_a_trace_are_refused(tmp_path, capsys, monkeypatch, a
     (["--rates", "0"], "--rates: '0' is not a positive number"),
     (["--rates", "nan"], "--rates: 'nan' is not a positive number"),
     (["--words-per-minute", "0"], "--words-per-minute must be a positive number"),
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "-3"], "--workers must be at least 1 (worker processes), got -3"),
+    (["--rates", "1,2,1"], "--rates lists 1 more than once"),
 ])
 def test_bad_sweep_options_exit_2_before_the_sweep(capsys, monkeypatch, argv, message):
     """Bad rates or typing speeds exit 2 naming the option, before the sessions are built (not as a
@@ -199,14 +220,16 @@ def test_engine_replay_with_a_host_tier_prints_its_hits(tmp_path, capsys):
     assert outs[1]["cached_tokens_per_request"] == [0, 0, 339]  # all turn 0 fed, back from the host
     assert outs[1]["host_hit_tokens"] == 339 and outs[1]["host_kv_tokens"] == 1024
     assert outs[1]["host_saved_tokens"] >= 339 and outs[1]["host_loaded_tokens"] > 0
-    # a host tier given in GiB holds twice the tokens of a float8 KV cache (the engine's kv_cache_dtype)
+    # a host tier given in GiB holds twice the tokens in a float8 KV cache (the engine's kv_cache_dtype) as in
+    # bfloat16, and twice bfloat16's in float32 (the engine's dtype, default float32, is its KV's)
     sized = {"enable_hierarchical_cache": True, "hicache_size": 1}
     tokens = []
-    for kv in ("auto", "fp8"):
+    for dtype, kv in (("bfloat16", "auto"), ("bfloat16", "fp8"), ("float32", "auto")):
         assert hyla_main(["sim", str(path), "--model", "nemotron-h-8b", "--engine",
-                          json.dumps({**pools, **sized, "kv_cache_dtype": kv}), "--json"]) == 0
+                          json.dumps({**pools, **sized, "dtype": dtype, "kv_cache_dtype": kv}), "--json"]) == 0
         tokens.append(_last_json(capsys)["host_kv_tokens"])
     assert tokens[1] == pytest.approx(2 * tokens[0], rel=1e-3)
+    assert tokens[0] == pytest.approx(2 * tokens[2], rel=1e-3)
 
 
 ENGINE = json.dumps({"max_total_tokens": 4096, "max_state_slots": 16})
@@ -271,6 +294,45 @@ def test_engine_replay_refuses_what_the_engine_would_refuse(tmp_path, capsys, op
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("key", ["record", "vocab_size", "layout", "max_position_embeddings", "model_path"])
+def test_engine_replay_refuses_what_is_not_an_engine_option(tmp_path, capsys, key):
+    """Every key of --engine is an ``Engine`` option: not one of ``replay_engine``'s own parameters
+    (which would be taken as such — ``record`` — or clash with what --model gives), named in the
+    message."""
+    options = {"max_total_tokens": 4096, "max_state_slots": 16, key: 1}
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--model", "nemotron-h-8b", "--engine", json.dumps(options)]) == 2
+    err = capsys.readouterr().err
+    assert f"--engine: unknown engine option {key!r}" in err or f"--engine: {key}: " in err, err
+
+
+def test_engine_replay_bounds_the_context_by_the_models_positions(tmp_path, capsys):
+    """The engine's context length is the model's max_position_embeddings cut to the KV pool: a
+    request longer than it is refused as the engine would, however large the pool."""
+    from hyla.sim.presets import HF_CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIGS["nemotron-h-8b"], "max_position_embeddings": 400}))
+    args = ["sim", str(_trace(tmp_path)), "--model", str(tmp_path), "--engine"]
+    assert hyla_main([*args, ENGINE]) == 2
+    err = capsys.readouterr().err
+    assert ("request (session 0, turn 1): prompt (440 tokens) + output (2 tokens) does not fit the model's "
+            "max_position_embeddings (400): the engine would refuse it") in err, err
+    # context_length past the model's positions is the engine's to allow (with a warning)
+    assert hyla_main([*args, json.dumps({**json.loads(ENGINE), "context_length": 1000}), "--json"]) == 0
+    assert _last_json(capsys)["cached_tokens_per_request"] == [0, 339]
+
+
+def test_engine_replay_refuses_a_wave_the_engine_would_refuse(tmp_path, capsys):
+    """Requests of one ``ts`` are one batch, which the engine refuses whole when it is larger than
+    its running requests plus ``max_queued_requests``."""
+    path = tmp_path / "wave.jsonl"
+    write_trace(path, [TraceRequest(i, 0, 0.0, [1 + i, 2, 3], [5, 6]) for i in range(4)])
+    options = {"max_total_tokens": 4096, "max_state_slots": 16, "max_running_requests": 2}
+    assert hyla_main(["sim", str(path), "--engine", json.dumps({**options, "max_queued_requests": 1})]) == 2
+    assert ("the 4 requests arriving at ts=0 (one batch) can never fit: the engine holds at most 3 at once "
+            "(max_running_requests=2 + max_queued_requests=1)") in capsys.readouterr().err
+    assert hyla_main(["sim", str(path), "--engine", json.dumps({**options, "max_queued_requests": 2})]) == 0
 
 
 def test_engine_replay_pools_too_large_for_host_memory_exit_2(tmp_path, capsys, monkeypatch):

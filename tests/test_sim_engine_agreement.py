@@ -98,3 +98,57 @@ def test_the_engine_replay_reproduces_priority_scheduling(qwen3_next_dense_path)
     assert plain.cached_tokens != replay.cached_tokens  # (so the priorities were replayed, not ignored)
     with pytest.raises(ValueError, match="enable_priority_scheduling"):
         replay_engine(_trace(turns, priorities), layout, **{**pools, "enable_priority_scheduling": False})
+
+
+@pytest.mark.parametrize("opts", [
+    # max_running_requests from explicit slots (half of them, at most 256); the context length is the
+    # model's max_position_embeddings (4096), below the KV pool
+    dict(max_total_tokens=8192, max_state_slots=100),
+    # the pools' layout follows dtype (K/V and conv window; the default float32 whatever the
+    # checkpoint's), and with it a host tier given in GiB
+    dict(max_total_tokens=2048, max_state_slots=8, enable_hierarchical_cache=True, hicache_size=0.01,
+         dtype="bfloat16"),
+    dict(max_total_tokens=2048, max_state_slots=8, enable_hierarchical_cache=True, hicache_size=0.01,
+         dtype="float16", kv_cache_dtype="fp8_e4m3"),
+], ids=["running-from-slots", "bfloat16-host-tier", "float16-fp8-kv"])
+def test_the_engine_replay_sizes_what_the_engine_sizes(qwen3_next_dense_path, opts):
+    """The sizes the replay derives from the options — running requests, context length, the pools'
+    layout and the host tier — are the engine's own for the same options."""
+    with Engine(qwen3_next_dense_path, **opts) as eng:
+        running, context, layout = eng.max_running_requests, eng.context_length, eng.cache_layout
+        host = eng.host_cache
+        host_sizes = None if host is None else (host.kv_pool.size, host.state_pool.size)
+    model = resolve_model(str(qwen3_next_dense_path))
+    replay = replay_engine([TraceRequest(0, 0, 0.0, [5, 6, 7], [8, 9])], model.layout,
+                           max_position_embeddings=model.max_position_embeddings, **opts)
+    assert replay.scheduler.config.max_running_requests == running
+    assert replay.context_length == context
+    assert replay.layout == layout
+    rhost = replay.cache.host
+    assert (None if rhost is None else (rhost.kv_pool.size, rhost.state_pool.size)) == host_sizes
+
+
+def test_the_engine_replay_refuses_the_batches_and_requests_the_engine_refuses(qwen3_next_dense_path):
+    """A wave larger than the running requests plus max_queued_requests, and a request longer than
+    the model's max_position_embeddings: the engine refuses them, and so does the replay (before
+    replaying anything)."""
+    from hyla.engine.errors import RequestError
+
+    opts = dict(max_total_tokens=8192, max_state_slots=8, max_running_requests=2, max_queued_requests=1)
+    sampling = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    model = resolve_model(str(qwen3_next_dense_path))
+    wave = [TraceRequest(i, 0, 0.0, [5 + i, 6, 7], [8, 9]) for i in range(4)]
+    long = [TraceRequest(0, 0, 0.0, [5] * 4096, [8, 9])]
+    with Engine(qwen3_next_dense_path, **opts) as eng:
+        with pytest.raises(ValueError, match="can never fit") as engine_says:
+            eng.generate(input_ids=[list(r.input_tokens) for r in wave], sampling_params=sampling)
+        with pytest.raises(RequestError, match="the context length is 4096"):
+            eng.generate(input_ids=list(long[0].input_tokens), sampling_params=sampling)
+        assert len(eng.generate(input_ids=[list(r.input_tokens) for r in wave[:3]], sampling_params=sampling)) == 3
+    with pytest.raises(ValueError, match="can never fit: the engine holds at most 3 at once") as replay_says:
+        replay_engine(wave, model.layout, **opts)
+    assert "(max_running_requests=2 + max_queued_requests=1)" in str(engine_says.value) and \
+        "(max_running_requests=2 + max_queued_requests=1)" in str(replay_says.value)
+    with pytest.raises(ValueError, match=r"does not fit the model's max_position_embeddings \(4096\)"):
+        replay_engine(long, model.layout, max_position_embeddings=model.max_position_embeddings, **opts)
+    assert replay_engine(wave[:3], model.layout, **opts).cached_tokens == [0, 0, 0]

@@ -284,3 +284,17 @@ def test_a_malformed_config_json_is_a_value_error(tmp_path, field, value):
     with pytest.raises(ValueError) as e:
         resolve_model(str(tmp_path))
     assert str(tmp_path / "config.json") in str(e.value) and "not a usable model config" in str(e.value)
+
+
+@pytest.mark.parametrize("depth, message", [
+    (100_000, "not valid JSON (nested too deeply)"),  # deeper than the JSON decoder recurses
+    (600, "not a usable model config (a value nested too deeply)"),  # decoded, but deeper than the parser walks
+])
+def test_a_config_json_nested_too_deeply_is_a_value_error(tmp_path, depth, message):
+    """Deep nesting in a config.json is a bad ``--model`` (a ValueError naming the file), not a
+    RecursionError traceback."""
+    text = json.dumps(HF_CONFIGS["qwen3-next-80b-a3b"])[:-1] + ', "x": ' + "[" * depth + "]" * depth + "}"
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+        resolve_model(str(tmp_path))
+    assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"

@@ -146,6 +146,42 @@ def test_a_speculative_checkpoint_takes_the_place_of_a_superseded_one_never_of_a
     assert _hits("hyla", trace, 520) == [0, 10, 0, 9, 11]
 
 
+def _checkpoints(sim: Simulator) -> dict[int, bool]:
+    """depth -> speculative, of every checkpoint the tree holds."""
+    return {n.depth: n.speculative for n in sim.tree.nodes() if n.state is not None}
+
+
+def test_speculative_checkpoints_that_do_not_all_fit_keep_the_deepest_that_do():
+    """640 bytes. X's turn takes 328: 11 tokens of KV, its speculative X@9 and X@10 and its final
+    X@11. Y's turn needs 24 tokens of KV and its final checkpoint (272 bytes: 40 left free), and
+    wants three speculative ones (Y@10, Y@19, Y@20: 240). Evicting the replaceable X@9 and X@10
+    leaves room for two: as the engine (``CacheManager.alloc_checkpoints``), the deepest two are
+    stored — not none, which would leave the room just freed empty. A repeat of Y's prompt then
+    hits 19 of its 20 tokens."""
+    x, y = list(range(100, 110)), list(range(200, 220))
+    sim = Simulator(SimConfig(TOY, "hyla", 640, policy_options=(("alpha", 0.0),)))
+    sim.serve(Req("X", 0, 0.0, x, [7, 8], boundaries=(10,)))
+    assert _checkpoints(sim) == {9: True, 10: True, 11: False} and sim.used_bytes() == 328
+    sim.serve(Req("Y", 0, 1.0, y, [9] * 5, boundaries=(10, 20)))
+    assert sim.num_evicted_checkpoints == 2
+    assert {d: s for d, s in _checkpoints(sim).items() if d != 11} == {19: True, 20: True, 24: False}
+    assert sim.used_bytes() == 600  # 40 bytes free: half a checkpoint
+    assert sim.serve(Req("Y2", 0, 2.0, y, [3])).cached_tokens == 19
+
+
+def test_a_finished_turn_ends_on_an_ordinary_checkpoint_even_where_a_boundary_sits():
+    """A one-token answer: the sequence fed ends at the prompt's end, where a message boundary put a
+    speculative checkpoint. It ends a finished turn, so it is ordinary (the engine confirms it at
+    the finish): in a 552-byte cache, Y's speculative checkpoints then take the place of X's
+    superseded X@9 only, never of X@10, and X's next turn hits its 10 tokens."""
+    x, y = list(range(100, 110)), list(range(200, 220))
+    sim = Simulator(SimConfig(TOY, "hyla", 552, policy_options=(("alpha", 0.0),)))
+    sim.serve(Req("X", 0, 0.0, x, [7], boundaries=(10,)))
+    assert _checkpoints(sim) == {9: True, 10: False}
+    sim.serve(Req("Y", 0, 1.0, y, [9] * 5, boundaries=(20,)))
+    assert sim.serve(Req("X", 1, 2.0, x + [7, 5, 5, 5], [1, 2])).cached_tokens == 10
+
+
 def _session_root(node) -> int:
     while node.parent.parent is not None:
         node = node.parent

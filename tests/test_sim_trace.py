@@ -77,6 +77,16 @@ def test_numbers_out_of_range_name_the_line(tmp_path, line, message):
     assert f"{path}:1: " in str(e.value) and message in str(e.value)
 
 
+def test_a_line_nested_too_deeply_names_the_line(tmp_path):
+    """JSON nested deeper than the decoder's recursion allows is a bad line (a ValueError naming
+    ``file:line``), not a RecursionError traceback."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text(_line() + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError) as e:
+        load_trace(path)
+    assert str(e.value) == f"{path}:2: not valid JSON (nested too deeply)"
+
+
 def test_a_line_that_is_not_utf8_names_the_line(tmp_path):
     """Bytes that are not UTF-8 (a binary or Latin-1 file) are a bad line like any other: a ValueError
     naming ``file:line``, not a bare UnicodeDecodeError."""

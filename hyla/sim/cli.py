@@ -56,6 +56,32 @@ def parse_size(text: str) -> int:
     return size
 
 
+def format_size(num_bytes: float) -> str:
+    """``num_bytes`` in the largest of ``parse_size``'s decimal units that keeps it at least 1, to 3
+    significant digits (``4GB``, ``2.15GB``, ``100TB``), whole above 1000 TB (``1,000,000TB``): never
+    in exponent notation."""
+    for unit in ("TB", "GB", "MB", "KB"):
+        if num_bytes >= _UNITS[unit]:
+            value = num_bytes / _UNITS[unit]
+            return f"{value:.3g}{unit}" if value < 1000 else f"{value:,.0f}{unit}"
+    return f"{num_bytes:g}B"
+
+
+def _sizes(text: str) -> list[int]:
+    """``--cache-size``: comma-separated sizes (``parse_size``), each once (a size given twice would
+    run the same configurations twice)."""
+    sizes = [parse_size(s) for s in _csv(text)]
+    return _unique(sizes, "--cache-size", lambda b: f"{format_size(b)} ({b:,} bytes)")
+
+
+def _unique(items: list[Any], flag: str, show: Any = str) -> list[Any]:
+    """``items``, refused (``ValueError`` naming ``flag``) where one is given twice."""
+    twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{flag} lists {show(twice)} more than once")
+    return items
+
+
 def _csv(text: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -68,7 +94,7 @@ def _policies(text: str) -> list[str]:
     bad = [n for n in names if n not in POLICIES]
     if bad:
         raise ValueError(f"unknown policy {', '.join(bad)}; choose from {', '.join(POLICIES)}")
-    return names
+    return _unique(names, "--policy")
 
 
 def _rates(text: str) -> list[float]:
@@ -82,7 +108,7 @@ def _rates(text: str) -> list[float]:
         if not (rate > 0 and math.isfinite(rate)):
             raise ValueError(f"--rates: {item!r} is not a positive number of sessions per second")
         rates.append(rate)
-    return rates
+    return _unique(rates, "--rates", lambda r: f"{r:g}")
 
 
 # the sweep's own options (None: not given; they apply only with --sweep) and their defaults
@@ -153,6 +179,9 @@ def _check_options(args: argparse.Namespace) -> None:
     wpm = _sweep_option(args, "words_per_minute")
     if not (wpm > 0 and math.isfinite(wpm)):
         raise ValueError(f"--words-per-minute must be a positive number, got {wpm}")
+    workers = _sweep_option(args, "workers")
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1 (worker processes), got {workers}")
     for flag, value in (("--output", args.output), ("--plot", args.plot)):
         if value is not None:
             check_output_path(value, flag)
@@ -191,7 +220,7 @@ def _run_trace(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_trace(args.trace)
     model = resolve_model(args.model, args.kv_cache_dtype)
     policies = _policies(args.policy or "hyla")
-    sizes = [parse_size(s) for s in _csv(args.cache_size or "4GB")]
+    sizes = _sizes(args.cache_size or "4GB")
     results: list[SimResult] = []
     for size in sizes:
         for policy in policies:
@@ -207,7 +236,7 @@ def _run_trace(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
-    from hyla.sim.replay import replay_engine
+    from hyla.sim.replay import engine_args, replay_engine
 
     try:
         options = json.loads(args.engine)
@@ -218,7 +247,9 @@ def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_trace(args.trace)
     model = resolve_model(args.model)
     try:
-        replay = replay_engine(trace, model.layout, vocab_size=model.vocab_size, **options)
+        engine_args(options)  # every key an Engine option (not one of replay_engine's own parameters)
+        replay = replay_engine(trace, model.layout, vocab_size=model.vocab_size,
+                               max_position_embeddings=model.max_position_embeddings, **options)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--engine: {e}") from None
     except MemoryError:  # the accounting pools keep a host-side free list per KV token and state slot
@@ -249,7 +280,7 @@ def _run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     from hyla.sim.sharegpt import build_sessions
 
     rates = _rates(args.rates) if args.rates else list(SHAREGPT_RATES)
-    sizes = [parse_size(s) / GB for s in _csv(args.cache_size)] if args.cache_size else list(SHAREGPT_CACHE_GB)
+    sizes = [size / GB for size in _sizes(args.cache_size)] if args.cache_size else list(SHAREGPT_CACHE_GB)
     policies = _policies(args.policy or ",".join(POLICIES))
     resolve_model(args.model, args.kv_cache_dtype)  # fail early on a bad model
     sessions = build_sessions(num_sessions=_sweep_option(args, "sessions"))
@@ -278,7 +309,7 @@ def _results_table(results: Sequence[SimResult]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.policy:>8} {r.cache_bytes / GB:>6.3g}GB {100 * r.token_hit_rate:>9.2f}% "
+            f"{r.policy:>8} {format_size(r.cache_bytes):>8} {100 * r.token_hit_rate:>9.2f}% "
             f"{100 * r.request_hit_rate:>7.1f}% {r.flops_saved:>12.3e} {r.kv_bytes / GB:>7.3f} "
             f"{r.state_bytes / GB:>8.3f} {1000 * r.ttft_p50:>7.1f}ms {1000 * r.ttft_p95:>7.1f}ms"
         )

@@ -79,6 +79,8 @@ class CostModel:
     window: int = 0  # sliding-window attention layers' window (0: none)
     window_context_flops: float = 0.0  # per token per context token up to the window: of the sliding-window layers
     vocab_size: int | None = None  # the config's; None: unknown (marconi-7b). The engine replay checks ids against it.
+    # the config's; None: unknown (marconi-7b). The engine replay bounds its context length by it, as the engine.
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 0 or self.state_bytes_per_slot <= 0:
@@ -182,6 +184,7 @@ def from_model_config(config: Any, name: str) -> CostModel:
         linear_flops=one.linear,
         ffn_flops=one.mlp + one.moe,
         vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
     )
 
 
@@ -218,6 +221,8 @@ def _resolve_model(spec: str) -> CostModel:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+    except RecursionError:  # (the decoder recurses once per level of nesting)
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file") from None
     if not isinstance(config, dict):
@@ -228,3 +233,5 @@ def _resolve_model(spec: str) -> CostModel:
         raise ValueError(f"{path}: {e}") from None
     except (TypeError, LookupError, AttributeError, ArithmeticError) as e:  # a field of the wrong type or value
         raise ValueError(f"{path}: not a usable model config ({type(e).__name__}: {e})") from None
+    except RecursionError:  # a value nested too deeply for the parser's recursive walks (decode_json_floats)
+        raise ValueError(f"{path}: not a usable model config (a value nested too deeply)") from None

@@ -23,7 +23,8 @@ they are inserted as ``Checkpoint(..., speculative=True)`` and go only into free
 of *replaceable* checkpoints (``TreeNode.replaceable``: speculative ones that have served no hit,
 and superseded ones) — ``evict_one(tree, for_speculative=True)``, which ends in the tree's
 ``evict_state(1, for_speculative=True)``. They never push out a checkpoint that has served a hit
-or ends a finished turn.
+or ends a finished turn; where they do not all fit even so, the deepest that fit are stored
+(``Simulator._admit``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from hyla.cache import EvictionPolicy, LRUPolicy, RadixCache, TreeNode
 from hyla.sim.models import CostModel
 from hyla.sim.trace import TraceRequest
 
 BLOCK_SIZE = 32
+
+Stage = tuple[int, tuple[int, ...], frozenset[int]]
+"""One insert of a request: (length, checkpoint positions, those of them stored as speculative)."""
 
 
 # ---- admission ---------------------------------------------------------------------------------
@@ -56,16 +60,26 @@ class Admission:
     final_checkpoints: tuple[int, ...]
     optional: frozenset[int] = frozenset()
 
-    def stages(self) -> list[tuple[int, tuple[int, ...]]]:
-        return [(self.prompt_len, self.prompt_checkpoints), (self.final_len, self.final_checkpoints)]
+    def stages(self) -> list[Stage]:
+        """The two inserts, ``(length, checkpoint positions, speculative positions)``: the prompt with
+        its speculative checkpoints marked so, then the finished sequence, whose checkpoint is never
+        speculative (it ends a finished turn: the engine confirms it at the finish,
+        ``RadixCache.confirm_checkpoint``, even where a speculative one sits at the same position)."""
+        return [(self.prompt_len, self.prompt_checkpoints, self.optional),
+                (self.final_len, self.final_checkpoints, frozenset())]
 
     @property
     def num_required(self) -> int:
         return len(self.prompt_checkpoints) + len(self.final_checkpoints) - len(self.optional)
 
+    def keeping_optional(self, keep: Iterable[int]) -> "Admission":
+        """This admission with only the speculative checkpoints in ``keep`` (the others dropped)."""
+        kept = self.optional & frozenset(keep)
+        prompt = tuple(p for p in self.prompt_checkpoints if p not in self.optional or p in kept)
+        return Admission(self.prompt_len, prompt, self.final_len, self.final_checkpoints, kept)
+
     def without_optional(self) -> "Admission":
-        prompt = tuple(p for p in self.prompt_checkpoints if p not in self.optional)
-        return Admission(self.prompt_len, prompt, self.final_len, self.final_checkpoints)
+        return self.keeping_optional(())
 
 
 def fed_len(req: TraceRequest) -> int:

@@ -12,11 +12,13 @@ matters only through what the cache holds when a request arrives):
    the byte budget), allocate the new KV and checkpoint slots, ``insert`` the prompt. Speculative
    checkpoints (the admission's ``optional``) get room only from free memory or by replacing
    speculative or superseded checkpoints (the tree's rule: ``evict_state(n, for_speculative=True)``),
-   and are inserted as speculative; if they still do not fit, they are left out.
+   and are inserted as speculative; where they do not all fit even so, the deepest that fit are
+   kept, the others left out (the engine's rule, ``CacheManager.alloc_checkpoints``).
 4. "Decode": the output tokens are allocated as the request's own KV; at the finish the sequence
    the engine holds — prompt + output minus the last sampled token, which is never fed — is
-   inserted with a checkpoint at its end, so the next turn of a chat (whose input starts with this
-   turn's input and output) continues from there. Unlock.
+   inserted with an ordinary checkpoint at its end (never speculative: it ends a finished turn, as
+   the engine's ``confirm_checkpoint`` makes it), so the next turn of a chat (whose input starts
+   with this turn's input and output) continues from there. Unlock.
 
 Memory model: one byte budget (``cache_bytes``) shared elastically by KV and checkpoints, as in
 Marconi; each accounting pool is sized to hold the whole budget alone and the simulator enforces
@@ -41,9 +43,8 @@ from tqdm.auto import tqdm
 from hyla.cache import Checkpoint, RadixCache
 from hyla.sim.latency import LatencyModel
 from hyla.sim.models import CostModel
-from hyla.sim.policies import POLICIES, Admission, SimPolicy, make_policy
+from hyla.sim.policies import POLICIES, Admission, SimPolicy, Stage, make_policy
 from hyla.sim.trace import TraceRequest
-
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -163,21 +164,39 @@ class Simulator:
         plan = self.policy.admission(req, hit, tree.branch_point(inp))
         if hit:
             tree.inc_state_lock(match.last_node)  # as the engine: the hit is protected until copied
-        new_tokens = max(0, plan.prompt_len - node.depth, plan.final_len - node.depth)
-        if not self._make_room(new_tokens, plan.num_required):
-            stages = [self._trim(plan.without_optional(), node.depth)]
-        elif plan.optional and not self._make_room(new_tokens, plan.num_required + len(plan.optional),
-                                                   for_speculative=True):
-            stages = plan.without_optional().stages()  # no room even in place of replaceable ones
-        else:
-            stages = plan.stages()
+        stages = self._admit(plan, node.depth)
         if hit:
             tree.dec_state_lock(match.last_node)
-        for length, positions in stages:
+        for length, positions, speculative in stages:
             if length > node.depth or positions:
-                node = self._insert(fill, length, positions, node, plan.optional)
+                node = self._insert(fill, length, positions, node, speculative)
         tree.dec_lock_ref(node)
         return RequestOutcome(hit, self.config.latency.ttft(self.model, len(inp), hit))
+
+    def _admit(self, plan: Admission, have: int) -> list[Stage]:
+        """Make room for ``plan`` — its KV past the ``have`` tokens the tree holds for it, and its
+        checkpoints — and return the inserts that fit (``Admission.stages``), by the engine's rule
+        (``CacheManager.alloc_checkpoints``):
+
+        * the required checkpoints may evict any unlocked checkpoint; where even that leaves no room,
+          the request is cached up to its deepest checkpoint that fits (``_trim``);
+        * the speculative ones may then evict only replaceable checkpoints (speculative or
+          superseded); where all of them still do not fit, the deepest that fit are kept, so the
+          room the evictions freed holds what it was freed for."""
+        new_tokens = max(0, plan.prompt_len - have, plan.final_len - have)
+        if not self._make_room(new_tokens, plan.num_required):
+            return [self._trim(plan.without_optional(), have)]
+        wanted = plan.num_required + len(plan.optional)
+        if plan.optional and not self._make_room(new_tokens, wanted, for_speculative=True):
+            room = self._spare_states(new_tokens, plan.num_required)
+            plan = plan.keeping_optional(sorted(plan.optional, reverse=True)[:room])
+        return plan.stages()
+
+    def _spare_states(self, num_tokens: int, num_states: int) -> int:
+        """How many more checkpoints fit, without evicting, beside ``num_tokens`` KV and
+        ``num_states`` checkpoints (that do fit)."""
+        free = self.config.cache_bytes - self.used_bytes() - num_tokens * self._kvb - num_states * self._sb
+        return max(0, min(free // self._sb, self.state_pool.available_size() - num_states))
 
     def _insert(self, fill: list[int], length: int, positions: Sequence[int], locked: Any,
                 speculative: frozenset[int]) -> Any:
@@ -194,15 +213,16 @@ class Simulator:
         self.tree.dec_lock_ref(locked)
         return res.last_node
 
-    def _trim(self, plan: Admission, have: int) -> tuple[int, tuple[int, ...]]:
-        """The deepest checkpoint of ``plan`` (with those before it) that fits what is free now."""
+    def _trim(self, plan: Admission, have: int) -> Stage:
+        """One insert: up to the deepest checkpoint of ``plan`` (with those before it) that fits what
+        is free now; none of them speculative (``plan`` has none left to store)."""
         free = self.config.cache_bytes - self.used_bytes()
         free_ids = self.kv_pool.available_size()
         positions = sorted({*plan.prompt_checkpoints, *plan.final_checkpoints})
-        best: tuple[int, tuple[int, ...]] = (0, ())
+        best: Stage = (0, (), frozenset())
         for i, p in enumerate(positions):
             if max(0, p - have) * self._kvb + (i + 1) * self._sb <= free and max(0, p - have) <= free_ids:
-                best = (p, tuple(positions[: i + 1]))
+                best = (p, tuple(positions[: i + 1]), frozenset())
         return best
 
 

@@ -137,6 +137,8 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                 obj = json.loads(line)
             except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
                 raise ValueError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            except RecursionError:  # (the decoder recurses once per level of nesting)
+                raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
             requests.append(parse_request(obj, where))
     if not requests:
         raise ValueError(f"{path}: the trace has no requests")
