@@ -312,7 +312,7 @@ class Engine:
         # explicit slots: as many running requests as leave half the slots to checkpoints (at most 256);
         # slots from memory: the same, at most the device's default
         cap = MAX_RUNNING_REQUESTS if args.max_state_slots else default_max_running_requests(self.device)
-        self.max_running_requests = args.max_running_requests or max(1, min(cap, num_slots // (1 + per_req)))
+        self.max_running_requests = args.max_running_requests or running_requests_for_slots(num_slots, per_req, cap)
         check_state_slots(num_slots, self.max_running_requests, per_req,
                           f"{' and one scratch slot per draft token' if per_req > 1 else ''}"
                           f"{f' (and {drafting_states} for the draft model while it drafts)' if self.draft_model is not None else ''}")
@@ -1552,6 +1552,13 @@ def _check_logprob_start(logprob_start_len: Any, num_tokens: int) -> None:
             or not -1 <= logprob_start_len < num_tokens:
         raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
                            f"[0, {num_tokens}), got {logprob_start_len!r}", "logprob_start_len")
+
+
+def running_requests_for_slots(num_slots: int, per_req: int, cap: int) -> int:
+    """The default ``max_running_requests`` for ``num_slots`` state slots of which each running request
+    holds ``per_req``: as many as leave the other half of the slots (about) to checkpoints, 1 to ``cap``.
+    (``hyla.sim.replay`` sizes its replayed engine by it too.)"""
+    return max(1, min(cap, num_slots // (1 + per_req)))
 
 
 def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:

@@ -30,7 +30,7 @@ import torch
 from hyla.cache import CacheLayout, CacheLedger, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.args import EngineArgs, check_state_slots, context_length_for, host_cache_sizes, kv_cache_torch_dtype
 from hyla.engine.cache_manager import CacheManager
-from hyla.engine.engine import MAX_RUNNING_REQUESTS
+from hyla.engine.engine import MAX_RUNNING_REQUESTS, running_requests_for_slots
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
@@ -140,8 +140,8 @@ def engine_running_requests(args: EngineArgs) -> int:
     """The engine's ``max_running_requests``: the one given, else (the state slots being explicit)
     as many as leave half the state slots to checkpoints, at most ``MAX_RUNNING_REQUESTS``
     (``Engine._build_pools``)."""
-    per_req = STATE_SLOTS_PER_REQUEST
-    return args.max_running_requests or max(1, min(MAX_RUNNING_REQUESTS, args.max_state_slots // (1 + per_req)))
+    return args.max_running_requests or running_requests_for_slots(args.max_state_slots, STATE_SLOTS_PER_REQUEST,
+                                                                   MAX_RUNNING_REQUESTS)
 
 
 def engine_context_length(args: EngineArgs, kv_tokens: int, layout: CacheLayout,
