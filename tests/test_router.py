@@ -634,6 +634,41 @@ def test_a_restarted_worker_gets_the_weights_and_adapters_again_before_any_reque
         assert apps[1][1]["took"][-1] == ("/v1/load_lora_adapter", "chat", "Bearer k")  # (the other: nothing again)
         assert len(apps[1][1]["took"]) == 5
 
+
+def test_a_weight_update_some_workers_failed_is_a_502_naming_both_and_the_others_catch_up():
+    """One worker takes a weight update, the other refuses it (its machine lacks the checkpoint yet): a 502 naming
+    both (it said "not updated" while one worker served the new weights), the refusing worker unhealthy — no
+    request runs on the old weights beside the new — until a health check's retry takes it; an unload some
+    refused says who still serves the adapter."""
+    apps = [_restartable_worker() for _ in range(2)]
+    with _Uvicorn(apps[0][0]) as a, _Uvicorn(apps[1][0]) as b, \
+            _Uvicorn(create_router_app([a.url, b.url], health_interval=0.2)) as r:
+        lagging = apps[1][1]
+        lagging["status"] = 400
+        answer = httpx.post(r.url + "/update_weights_from_disk", json={"model_path": "/step-7"})
+        assert answer.status_code == 502 and answer.json()["success"] is False
+        message = answer.json()["error"]["message"]
+        assert f"updated on workers ['{a.url}'] but not on ['{b.url}']" in message and "400" in message
+
+        def health() -> list[bool]:
+            return [w["healthy"] for w in httpx.get(r.url + "/workers").json()["workers"]]
+
+        assert health() == [True, False]
+        time.sleep(0.5)
+        assert health() == [True, False] and len(lagging["took"]) >= 2  # (refused again at each check)
+        lagging["status"] = 200
+        deadline = time.monotonic() + 10
+        while health() != [True, True]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert lagging["took"][-1][:2] == ("/update_weights_from_disk", "/step-7")
+        assert [t[:2] for t in apps[0][1]["took"]] == [("/update_weights_from_disk", "/step-7")]  # (sent once)
+        assert httpx.post(r.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"}).status_code \
+            == 200
+        lagging["status"] = 500
+        answer = httpx.post(r.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert answer.status_code == 502 and f"not on ['{b.url}']" in answer.text and "still serve it" in answer.text
+
 def test_a_worker_silent_on_a_broadcast_fails_it_in_time(monkeypatch):
     """A worker hung on ``/abort_request`` (or ``/flush_cache``) held the operator's request forever: past
     ``BROADCAST_SECONDS`` it has failed it, a 502 naming it."""
@@ -1651,3 +1686,17 @@ def test_hyla_route_stops_with_status_0_on_sigterm_and_imports_no_torch(tmp_path
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_hyla_route_refuses_a_port_in_use_before_it_starts(capsys):
+    """``hyla route`` binds its port before uvicorn starts, as ``hyla serve`` does: a port in use is status 2 and
+    ``hyla route: error: cannot listen on ...`` (it was uvicorn's log line and status 3)."""
+    from hyla.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["route", "--worker-urls", _closed_port_url(), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"hyla route: error: cannot listen on 127.0.0.1:{port}" in err and "in use" in err

@@ -319,8 +319,9 @@ class Worker:
     routed: int = 0  # requests forwarded in all
     cache_id: str | None = None  # its /health's cache_id when last seen (a new one: its cache was emptied)
     instance_id: str | None = None  # its /health's instance_id when last seen (a new one: it restarted)
-    # it restarted and lacks the weights and adapters broadcast before: unhealthy until they are sent again
-    needs_replay: bool = False
+    # broadcasts it lacks — all of them after a restart, or one it failed while the others took it — (path, body,
+    # headers) in order: unhealthy until it took them (None: it lacks none)
+    owed: list[tuple[str, bytes, dict]] | None = None
     replay: asyncio.Task | None = None  # sending them now
 
 
@@ -463,9 +464,9 @@ class RouterApp:
                 if w.instance_id is not None and instance_id != w.instance_id and self.broadcast_state:
                     logger.warning("worker %s restarted: it gets the weight update and LoRA adapters sent to every "
                                    "worker again before any request", w.url)
-                    w.needs_replay = True
+                    w.owed = list(self.broadcast_state.values())
                 w.instance_id = instance_id
-            if ok and w.needs_replay:  # (healthy once what it lacks is sent)
+            if ok and w.owed:  # (healthy once what it lacks is sent)
                 if w.replay is None:
                     w.replay = asyncio.create_task(self._replay(w))
                 ok = False
@@ -475,10 +476,11 @@ class RouterApp:
         await asyncio.gather(*(one(w) for w in self.workers + self.prefill_workers))
 
     async def _replay(self, w: Worker) -> None:
-        """Send restarted worker ``w`` what every worker was sent (``broadcast_state``, in order); healthy once it
-        took all of it, else unhealthy still, tried again at the next health check."""
+        """Send worker ``w`` the broadcasts it lacks (``owed``, in order); healthy once it took all of them, else
+        unhealthy still, tried again (from the first it has not taken) at the next health check."""
         try:
-            for path, body, headers in list(self.broadcast_state.values()):
+            while w.owed:
+                path, body, headers = w.owed[0]
                 try:
                     answer = await self.client.post(w.url + path, content=body, headers=headers,
                                                     timeout=httpx.Timeout(None, connect=self.timeout.connect))
@@ -489,7 +491,8 @@ class RouterApp:
                     logger.warning("worker %s refused %s again (%d: %s): unhealthy still", w.url, path,
                                    answer.status_code, answer.text[:300])
                     return
-            w.needs_replay = False
+                w.owed.pop(0)
+            w.owed = None
             logger.warning("worker %s took the weight update and adapters again: healthy", w.url)
             self._set_health(w, True)
         finally:
@@ -992,13 +995,43 @@ class RouterApp:
                                                 status_code=502)
             elif path == "/flush_cache" and a.status_code == 200:
                 table.clear()
+        took = [w for (w, _), a in zip(live, answers) if not isinstance(a, Exception) and a.status_code < 400]
+        if path in ALL_WORKERS_PATHS and took:
+            if len(took) < len(live):  # (some took it: the fleet is mixed)
+                return self._partly_applied(request, path, raw, live, answers, took)
+            self._remember_broadcast(path, raw, self.forwarded_headers(request))
         if failed is not None:
             return failed
         bad = [a for a in answers if a.status_code >= 400]
-        if path in ALL_WORKERS_PATHS and not bad:
-            self._remember_broadcast(path, raw, self.forwarded_headers(request))
         first = bad[0] if bad else answers[0]
         return _headers(Response(first.content, status_code=first.status_code), first)
+
+    def _partly_applied(self, request: Request, path: str, raw: bytes, live: list[tuple[Worker, PrefixTable]],
+                        answers: list, took: list[Worker]) -> Response:
+        """A weight update or an adapter's load or unload some workers took and others failed (a checkpoint not on
+        every machine yet): a 502 naming both. The update or load is what every worker must have now: the others
+        owe it (``Worker.owed``), unhealthy until they take it (sent again at each health check), so that no
+        request runs on the old weights, or lacks the adapter, beside those that do. An unload is not sent again
+        (the others still serve the adapter: the answer says so)."""
+        headers = self.forwarded_headers(request)
+        missed = [(w, a) for (w, _), a in zip(live, answers) if all(w is not t for t in took)]
+        if path != "/v1/unload_lora_adapter":
+            self._remember_broadcast(path, raw, headers)
+            for w, _ in missed:
+                w.owed = (w.owed or []) + [(path, raw, headers)]
+                self._set_health(w, False)
+        first = missed[0][1]
+        reason = repr(first) if isinstance(first, Exception) else f"{first.status_code}: {first.text[:300]}"
+        what = {"/update_weights_from_disk": ("the weights were updated", "get no requests until they take the "
+                                              "update (sent again at each health check)"),
+                "/v1/load_lora_adapter": ("the LoRA adapter was loaded", "get no requests until they load it (sent "
+                                          "again at each health check)"),
+                "/v1/unload_lora_adapter": ("the LoRA adapter was unloaded", "still serve it")}[path]
+        message = (f"{what[0]} on workers {[w.url for w in took]} but not on {[w.url for w, _ in missed]} (the first "
+                   f"failure: {reason}); those {what[1]}")
+        logger.warning("%s", message)
+        body = {**error_body(message, type="bad_gateway", code="partly_applied"), "success": False, "message": message}
+        return JSONResponse(body, status_code=502)
 
     async def export_prefix(self, request: Request) -> Response:
         """``/export_prefix`` asked of every healthy worker (the router does not know which holds the
