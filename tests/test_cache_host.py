@@ -354,8 +354,10 @@ def test_a_failed_copy_between_the_tiers_leaks_nothing_and_the_eviction_goes_on(
     monkeypatch.setattr(KVPool, "copy_from", failing)
     free = tree.kv_pool.available_size(), tree.state_pool.available_size()
     r = Req(rid="r", input_ids=x + [1], sampling=SamplingParams(max_new_tokens=1))
-    with pytest.raises(RuntimeError, match="injected"):
-        cache.match(r)
+    hit = cache.match(r)  # (logged: the request runs on the device's own hit, here none)
+    assert hit.prefix_len == 0
+    if hit.last_node is not None:
+        tree.dec_lock_ref(hit.last_node)
     assert (tree.kv_pool.available_size(), tree.state_pool.available_size()) == free
     assert not host.tree.protected_size() and not tree.protected_size()
     cache.check_integrity()
