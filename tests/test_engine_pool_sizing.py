@@ -204,11 +204,12 @@ def test_given_running_requests_get_their_slots_however_low_the_budget(monkeypat
     monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: 40 * per_slot)
     with Engine(**spec) as e:
         assert e.max_running_requests == 4 and e.state_pool.size == 4 * (1 + 3 + 1)
+        assert _pool_bytes(e) <= 40 * per_slot  # (the slots past the state share came out of the KV's)
         outs = e.generate(input_ids=[[5, 6, 7, 5, 6, 7]] * 4, sampling_params=GREEDY)
         assert [o["meta_info"]["completion_tokens"] for o in outs] == [6] * 4
-    monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: 19 * per_slot)
-    with pytest.raises(ValueError, match=r"max_running_requests \(4\) needs at least 20 state slots .* lower "
-                                         "max_running_requests, raise mem_fraction or give max_state_slots"):
+    monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: 21 * per_slot)
+    with pytest.raises(ValueError, match=r"max_running_requests \(4\) needs at least 20 state slots .* no room for "
+                                         r"KV .* lower max_running_requests, raise mem_fraction, or give max_state_slots"):
         Engine(**spec)
 
 

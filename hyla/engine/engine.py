@@ -300,15 +300,22 @@ class Engine:
                                  layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
         slot_cap = running * (per_req + CHECKPOINTS_PER_RUNNING_REQUEST)
         # at least 8 slots; with max_running_requests given, at least its state (and scratch) slots
-        # plus a checkpoint each: what was asked for runs unless the budget cannot hold even that
+        # plus a checkpoint each, the bytes past the split's state share taken from its KV share: what
+        # was asked for runs unless the budget cannot hold even that beside a few pages of KV
         floor = max(8, args.max_running_requests * (per_req + 1) if args.max_running_requests else 0)
-        if args.max_state_slots is None and args.max_running_requests and \
-                (floor + 1) * layout.state_bytes_per_slot > budget:
-            raise ValueError(f"max_running_requests ({args.max_running_requests}) needs at least {floor} state slots "
-                             f"({(floor + 1) * layout.state_bytes_per_slot / 2**20:.1f} MiB), more than the cache's "
-                             f"memory budget ({budget / 2**20:.1f} MiB of free {self.device.type} memory): lower "
-                             "max_running_requests, raise mem_fraction or give max_state_slots")
-        num_slots = args.max_state_slots or min(max(split.num_state_slots, floor), slot_cap, 4096)
+        num_slots = args.max_state_slots or min(max(split.num_state_slots, floor), slot_cap, max(4096, floor))
+        kv_from_memory = None
+        if args.max_total_tokens is None:
+            extra = max(0, num_slots - split.num_state_slots) * layout.state_bytes_per_slot
+            per_token = layout.kv_bytes_per_token or 1  # (no attention: KV indices alone, no bytes to give)
+            kv_from_memory = split.num_kv_tokens - (extra // per_token if layout.kv_bytes_per_token else 0)
+            if args.max_state_slots is None and args.max_running_requests and kv_from_memory < 4 * args.page_size:
+                raise ValueError(
+                    f"max_running_requests ({args.max_running_requests}) needs at least {floor} state slots "
+                    f"({(floor + 1) * layout.state_bytes_per_slot / 2**20:.1f} MiB), which leave no room for KV in the "
+                    f"cache's memory budget ({budget / 2**20:.1f} MiB: mem_fraction of the {self.device.type}'s free "
+                    "memory): lower max_running_requests, raise mem_fraction, or give max_state_slots and "
+                    "max_total_tokens")
         # explicit slots: as many running requests as leave half the slots to checkpoints (at most 256);
         # slots from memory: the same, at most the device's default
         cap = MAX_RUNNING_REQUESTS if args.max_state_slots else default_max_running_requests(self.device)
@@ -318,7 +325,7 @@ class Engine:
                           f"{f' (and {drafting_states} for the draft model while it drafts)' if self.draft_model is not None else ''}")
         kv_running = max(running, self.max_running_requests)
         kv_cap = -(-kv_running * context // args.page_size) * args.page_size  # whole pages
-        num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), kv_cap, 1 << 22)
+        num_tokens = args.max_total_tokens or min(max(kv_from_memory, 4 * args.page_size), kv_cap, 1 << 22)
         kv_how = _how_sized(args.max_total_tokens, num_tokens, kv_cap, f"{kv_running} requests x {context} tokens")
         state_how = _how_sized(args.max_state_slots, num_slots, slot_cap,
                                f"{running} requests x {per_req + CHECKPOINTS_PER_RUNNING_REQUEST} slots")
