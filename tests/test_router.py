@@ -669,6 +669,91 @@ def test_a_weight_update_some_workers_failed_is_a_502_naming_both_and_the_others
         answer = httpx.post(r.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert answer.status_code == 502 and f"not on ['{b.url}']" in answer.text and "still serve it" in answer.text
 
+
+def _fleet_worker():
+    """A worker as a real one answers weight updates and adapters: an update from a path it lacks (``missing``) a
+    400, a load of a name it has a 400 unless in place (``load_inplace``), an unload of one it lacks a 404, anything
+    while ``broken`` a 500; ``weights`` and ``loras`` what it serves."""
+    app = FastAPI()
+    state = {"instance": "first", "missing": set(), "broken": False, "weights": "/start", "loras": set()}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok", "cache_id": state["instance"] + ".0", "instance_id": state["instance"]})
+
+    @app.post("/update_weights_from_disk")
+    async def update(request: Request):
+        path = json.loads(await request.body())["model_path"]
+        if state["broken"] or path in state["missing"]:
+            return JSONResponse({"error": {"message": f"no checkpoint {path}"}}, status_code=500 if state["broken"] else 400)
+        state["weights"] = path
+        return JSONResponse({"success": True})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request):
+        body = json.loads(await request.body())
+        if state["broken"] or (body["lora_name"] in state["loras"] and not body.get("load_inplace")):
+            return JSONResponse({"error": {"message": "already loaded"}}, status_code=500 if state["broken"] else 400)
+        state["loras"].add(body["lora_name"])
+        return Response("loaded")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request):
+        name = json.loads(await request.body())["lora_name"]
+        if state["broken"]:
+            return JSONResponse({"error": {"message": "broken"}}, status_code=500)
+        if name not in state["loras"]:
+            return JSONResponse({"error": {"message": "not loaded"}}, status_code=404)
+        state["loras"].discard(name)
+        return Response("unloaded")
+
+    return app, state
+
+
+def test_what_a_worker_owes_a_later_broadcast_replaces_and_nothing_sticks():
+    """A worker that owes an update it cannot take (its machine lacks the checkpoint) takes the next update, a
+    rollback, which replaces what it owes: healthy again (a 503 refused the rollback, the worker unhealthy for
+    ever). A restarted worker started with an adapter the router loaded takes the replayed load in place (its
+    400 "already loaded" kept it unhealthy for ever). An unload retried after some had done it (their 404s) is
+    done, and a worker restarted later does not get the adapter back."""
+    (app_a, a_state), (app_b, b_state) = _fleet_worker(), _fleet_worker()
+    with _Uvicorn(app_a) as a, _Uvicorn(app_b) as b, \
+            _Uvicorn(create_router_app([a.url, b.url], health_interval=0.2)) as r:
+
+        def workers() -> list[dict]:
+            return httpx.get(r.url + "/workers").json()["workers"]
+
+        def wait_healthy() -> None:
+            deadline = time.monotonic() + 10
+            while [w["healthy"] for w in workers()] != [True, True]:
+                assert time.monotonic() < deadline, workers()
+                time.sleep(0.05)
+
+        b_state["missing"].add("/step-7")
+        assert httpx.post(r.url + "/update_weights_from_disk", json={"model_path": "/step-7"}).status_code == 502
+        time.sleep(0.5)
+        assert [w["healthy"] for w in workers()] == [True, False] and workers()[1]["owed"] == ["/update_weights_from_disk"]
+        back = httpx.post(r.url + "/update_weights_from_disk", json={"model_path": "/step-6"})
+        assert back.status_code == 200, back.text
+        assert a_state["weights"] == b_state["weights"] == "/step-6" and "owed" not in workers()[1]
+        wait_healthy()
+        assert httpx.post(r.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"}).status_code \
+            == 200
+        b_state.update(instance="second", weights="/start", loras={"sql"})  # (restarted with --lora-modules sql=...)
+        time.sleep(0.5)
+        wait_healthy()
+        assert b_state["weights"] == "/step-6" and b_state["loras"] == {"sql"}
+        b_state["broken"] = True
+        assert httpx.post(r.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 502
+        b_state["broken"] = False
+        again = httpx.post(r.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert again.status_code == 200, again.text  # (a: 404, done already; b: 200)
+        assert a_state["loras"] == b_state["loras"] == set()
+        a_state.update(instance="second", weights="/start")
+        time.sleep(0.5)
+        wait_healthy()
+        assert a_state["weights"] == "/step-6" and a_state["loras"] == set()  # (the unloaded adapter not brought back)
+
 def test_a_worker_silent_on_a_broadcast_fails_it_in_time(monkeypatch):
     """A worker hung on ``/abort_request`` (or ``/flush_cache``) held the operator's request forever: past
     ``BROADCAST_SECONDS`` it has failed it, a 502 naming it."""
@@ -1689,8 +1774,8 @@ def test_hyla_route_stops_with_status_0_on_sigterm_and_imports_no_torch(tmp_path
 
 
 def test_hyla_route_refuses_a_port_in_use_before_it_starts(capsys):
-    """``hyla route`` binds its port before uvicorn starts, as ``hyla serve`` does: a port in use is status 2 and
-    ``hyla route: error: cannot listen on ...`` (it was uvicorn's log line and status 3)."""
+    """``hyla route`` checks that it can bind its port before uvicorn starts, as ``hyla serve`` does: a port in use is
+    status 2 and ``hyla route: error: cannot listen on ...`` (it was uvicorn's log line and status 3)."""
     from hyla.cli import main
 
     with socket.socket() as taken:

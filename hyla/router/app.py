@@ -301,6 +301,18 @@ def _headers(response: Response, upstream: httpx.Response, head: bool = False) -
     return response
 
 
+def _broadcast_key(path: str, raw: bytes) -> Any:
+    """What a weight update or an adapter's load or unload sets on a worker: ``"weights"``, or ``("lora", name)``
+    (a later broadcast of the same key replaces it); None for a body naming no adapter."""
+    if path == "/update_weights_from_disk":
+        return "weights"
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        name = json.loads(raw).get("lora_name")
+        if isinstance(name, str):
+            return ("lora", name)
+    return None
+
+
 def _safe_path(path: str) -> bool:
     """Whether a request path may be put after a worker's URL as it is: no control characters (httpx refuses
     them) and no ``.`` or ``..`` segment (httpx would resolve it: ``/v1/../update_weights_from_disk`` would reach
@@ -322,6 +334,7 @@ class Worker:
     # broadcasts it lacks — all of them after a restart, or one it failed while the others took it — (path, body,
     # headers) in order: unhealthy until it took them (None: it lacks none)
     owed: list[tuple[str, bytes, dict]] | None = None
+    reachable: bool = True  # its last health check answered 200 (an owing worker is unhealthy but reachable)
     replay: asyncio.Task | None = None  # sending them now
 
 
@@ -450,6 +463,7 @@ class RouterApp:
                         answer = r.json()
             except httpx.HTTPError:
                 ok = False
+            w.reachable = ok
             answer = answer if isinstance(answer, dict) else {}
             if isinstance(answer.get("model"), str):
                 self.base_model = answer["model"]
@@ -480,7 +494,11 @@ class RouterApp:
         unhealthy still, tried again (from the first it has not taken) at the next health check."""
         try:
             while w.owed:
-                path, body, headers = w.owed[0]
+                item = w.owed[0]
+                path, body, headers = item
+                if path == "/v1/load_lora_adapter":  # (in place: a worker started with it loaded takes it too)
+                    with contextlib.suppress(ValueError, TypeError):
+                        body = json.dumps({**json.loads(body), "load_inplace": True}).encode()
                 try:
                     answer = await self.client.post(w.url + path, content=body, headers=headers,
                                                     timeout=httpx.Timeout(None, connect=self.timeout.connect))
@@ -491,27 +509,37 @@ class RouterApp:
                     logger.warning("worker %s refused %s again (%d: %s): unhealthy still", w.url, path,
                                    answer.status_code, answer.text[:300])
                     return
-                w.owed.pop(0)
+                if w.owed and w.owed[0] is item:  # (not replaced meanwhile: a restart, a later broadcast)
+                    w.owed.pop(0)
             w.owed = None
             logger.warning("worker %s took the weight update and adapters again: healthy", w.url)
             self._set_health(w, True)
         finally:
             w.replay = None
 
-    def _remember_broadcast(self, path: str, raw: bytes, headers: dict) -> None:
-        """A weight update or an adapter's load or unload every worker took: what a restarted worker gets again."""
-        if path == "/update_weights_from_disk":
-            self.broadcast_state["weights"] = (path, raw, headers)
-            self.broadcast_state.move_to_end("weights", last=False)  # (first: the adapters apply to new weights)
+    def _settle(self, w: Worker, path: str, raw: bytes) -> None:
+        """Worker ``w`` took the broadcast ``raw`` to ``path``: what it owed that this replaces (an older weight
+        update; a load or unload of the same adapter) is owed no more; owing nothing, it is healthy again."""
+        if not w.owed:
             return
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            name = json.loads(raw).get("lora_name")
-            if isinstance(name, str):
-                if path == "/v1/load_lora_adapter":
-                    self.broadcast_state.pop(("lora", name), None)
-                    self.broadcast_state[("lora", name)] = (path, raw, headers)
-                else:
-                    self.broadcast_state.pop(("lora", name), None)
+        key = _broadcast_key(path, raw)
+        w.owed = [item for item in w.owed if _broadcast_key(item[0], item[1]) != key] or None
+        if w.owed is None and w.reachable:
+            logger.warning("worker %s took what it owed: healthy", w.url)
+            self._set_health(w, True)
+
+    def _remember_broadcast(self, path: str, raw: bytes, headers: dict) -> None:
+        """A weight update or an adapter's load or unload workers took: what a restarted worker gets again (the
+        last update first, then the adapters loaded and not unloaded since)."""
+        key = _broadcast_key(path, raw)
+        if key is None:
+            return
+        self.broadcast_state.pop(key, None)
+        if path == "/v1/unload_lora_adapter":
+            return
+        self.broadcast_state[key] = (path, raw, headers)
+        if key == "weights":
+            self.broadcast_state.move_to_end("weights", last=False)  # (first: the adapters apply to new weights)
 
     async def health_loop(self) -> None:
         while True:
@@ -977,7 +1005,10 @@ class RouterApp:
         if path == "/abort_request":  # (a request whose prompt moves is on no worker that knows it)
             await self.note_abort(raw)
         everyone = self.all_workers()
-        live = [(w, table) for w, table in everyone if w.healthy]
+        # (a worker unhealthy only because it owes an earlier one takes these too: a later update or an unload
+        # may be what replaces what it owes)
+        live = [(w, table) for w, table in everyone
+                if w.healthy or (path in ALL_WORKERS_PATHS and w.owed and w.reachable)]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
         if path in ALL_WORKERS_PATHS and len(live) < len(everyone):
@@ -995,11 +1026,18 @@ class RouterApp:
                                                 status_code=502)
             elif path == "/flush_cache" and a.status_code == 200:
                 table.clear()
-        took = [w for (w, _), a in zip(live, answers) if not isinstance(a, Exception) and a.status_code < 400]
+        # (an unload answered 404 by a worker that no longer has the adapter: done there too)
+        took = [w for (w, _), a in zip(live, answers) if not isinstance(a, Exception) and (
+            a.status_code < 400 or (path == "/v1/unload_lora_adapter" and a.status_code == 404))]
         if path in ALL_WORKERS_PATHS and took:
+            for w in took:
+                self._settle(w, path, raw)
             if len(took) < len(live):  # (some took it: the fleet is mixed)
                 return self._partly_applied(request, path, raw, live, answers, took)
             self._remember_broadcast(path, raw, self.forwarded_headers(request))
+            done = [a for a in answers if a.status_code == 200]  # (an unload some had done already: their 404s)
+            if done:
+                return _headers(Response(done[0].content, status_code=200), done[0])
         if failed is not None:
             return failed
         bad = [a for a in answers if a.status_code >= 400]
@@ -1015,8 +1053,8 @@ class RouterApp:
         (the others still serve the adapter: the answer says so)."""
         headers = self.forwarded_headers(request)
         missed = [(w, a) for (w, _), a in zip(live, answers) if all(w is not t for t in took)]
+        self._remember_broadcast(path, raw, headers)  # (an unload: no worker restarted later gets it again)
         if path != "/v1/unload_lora_adapter":
-            self._remember_broadcast(path, raw, headers)
             for w, _ in missed:
                 w.owed = (w.owed or []) + [(path, raw, headers)]
                 self._set_health(w, False)
@@ -1074,11 +1112,13 @@ class RouterApp:
         return list(zip(self.workers, self.router.tables)) + list(zip(self.prefill_workers, prefill_tables))
 
     def workers_info(self, prefill: bool = False) -> list[dict[str, Any]]:
-        """``/workers``' entries: the decode (or only) workers, or with ``prefill`` the prefill workers."""
+        """``/workers``' entries: the decode (or only) workers, or with ``prefill`` the prefill workers (``owed``: the
+        paths of the broadcasts a worker has yet to take, where it has any)."""
         workers = self.all_workers()
         chosen = workers[len(self.workers):] if prefill else workers[:len(self.workers)]
         return [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
-                 "table_blocks": len(table)} for w, table in chosen]
+                 "table_blocks": len(table), **({"owed": [path for path, _, _ in w.owed]} if w.owed else {})}
+                for w, table in chosen]
 
 
 class _Relay(StreamingResponse):
