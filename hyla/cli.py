@@ -42,12 +42,15 @@ def check_output_path(path: str, option: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="hyla", description="Serving engine for hybrid LLMs.")
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub = parser.add_subparsers(dest="command")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] not in SUBCOMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in SUBCOMMANDS:  # argparse's error and status 2: "invalid choice: 'foo'", an unknown option
+        parser.parse_args(argv)
+        parser.error(f"the first argument must be a subcommand, got {argv[0]!r}")  # (a guard: argparse refused it)
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(SUBCOMMANDS[name][0])
     # (no abbreviations: `hyla serve --dp 2` would reach each worker, whose flags are matched by their full names)

@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -605,3 +610,27 @@ def test_output_file_is_checked_before_the_run(server, tmp_path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     assert hyla_main(argv + ["bench-out.json"]) == 0
     assert json.loads((tmp_path / "bench-out.json").read_text())["summary"]["completed"] == 2
+
+
+def test_ctrl_c_stops_the_run_with_status_130_and_no_traceback(server):
+    """Ctrl-C (SIGINT) during a run: ``hyla bench: interrupted`` on stderr and exit status 130, the shell's for
+    a command stopped by SIGINT; no traceback (it printed asyncio's KeyboardInterrupt) and no report."""
+    base_url, log, _ = server
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "hyla.cli", "bench", "--base-url", base_url, "--dataset", "random",
+                             "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "3000",
+                             "--disable-tqdm"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 60
+        while not log:  # (until its request streams: the stub logs it as its stream starts, ~30 s of tokens)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and err.strip() == "hyla bench: interrupted", err
+    assert "Request throughput" not in out

@@ -364,6 +364,12 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(max_state_slots=10**30), r"max_state_slots must be at most 2\*\*40"),
     (dict(max_total_tokens=10**30), r"max_total_tokens must be at most 2\*\*40"),
     (dict(hicache_ratio=4.0), "hicache_ratio set without enable_hierarchical_cache"),
+    (dict(speculative_ngram_adaptive=False), "speculative_ngram_adaptive set without speculative_algorithm='ngram'"),
+    (dict(speculative_algorithm="mtp", speculative_ngram_min_match_window_size=2, speculative_ngram_adaptive=False),
+     "speculative_ngram_min_match_window_size, speculative_ngram_adaptive set without speculative_algorithm='ngram', "
+     "which would ignore them"),
+    (dict(disable_cuda_graph=True, cuda_graph_max_extend_tokens=64),
+     "cuda_graph_max_extend_tokens set with disable_cuda_graph, which would ignore it"),
     (dict(enable_hierarchical_cache=True, enable_prefix_cache=False), "needs enable_prefix_cache"),
     (dict(enable_hierarchical_cache=True, hicache_ratio=0), "hicache_ratio must be a number"),
     (dict(enable_hierarchical_cache=True, hicache_size=-1), "hicache_size must be a number"),
@@ -373,6 +379,19 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
     with pytest.raises(ValueError, match=match):
         Engine(qwen3_next_dense_path, **opts)
+
+
+def test_options_of_a_feature_that_is_off_are_taken_at_their_default():
+    """The rule that refuses an option its feature would ignore counts an option at its default as not set (and
+    ``cuda_graph_max_extend_tokens=0``, extends run eagerly, as agreeing with ``disable_cuda_graph``)."""
+    from hyla.engine.args import EngineArgs
+
+    EngineArgs(speculative_ngram_adaptive=True, speculative_ngram_min_match_window_size=1,
+               speculative_ngram_max_match_window_size=12)
+    EngineArgs(speculative_algorithm="ngram", speculative_ngram_adaptive=False, speculative_ngram_max_match_window_size=4)
+    EngineArgs(disable_cuda_graph=True, cuda_graph_max_extend_tokens=1024)
+    EngineArgs(disable_cuda_graph=True, cuda_graph_max_extend_tokens=0)
+    EngineArgs(cuda_graph_max_extend_tokens=64)
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):

@@ -43,7 +43,7 @@ def test_flags_reach_the_engine_options():
     args = _parse(["--model", "/models/x", "--max-total-tokens", "1000", "--no-enable-prefix-cache",
                    "--dtype", "bfloat16", "--state-memory-ratio", "0.3", "--debug-checks", "--host", "0.0.0.0",
                    "--port", "8080", "--api-key", "k", "--served-model-name", "m",
-                   "--no-speculative-ngram-adaptive"])
+                   "--speculative-algorithm", "ngram", "--no-speculative-ngram-adaptive"])
     opts = cli.engine_options(args)
     assert opts["speculative_ngram_adaptive"] is False
     assert opts["max_total_tokens"] == 1000 and opts["enable_prefix_cache"] is False
@@ -103,10 +103,69 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
     (["--max-stored-responses", "-1"], "--max-stored-responses"),
     (["--max-stored-response-bytes", "-5"], "--max-stored-response-bytes"),
+    (["--media-fetch-timeout", "0"], "--media-fetch-timeout must be a finite number of seconds > 0, got 0.0"),
+    (["--media-fetch-timeout", "-1"], "--media-fetch-timeout must be a finite number of seconds > 0"),
+    (["--media-fetch-timeout", "nan"], "--media-fetch-timeout must be a finite number of seconds > 0"),
+    (["--media-fetch-timeout", "inf"], "--media-fetch-timeout must be a finite number of seconds > 0"),
+    (["--served-model-name", ""], "--served-model-name must not be empty"),
+    (["--dp-size", "2", "--served-model-name", ""], "--served-model-name must not be empty"),  # (before any worker)
 ])
 def test_bad_options_exit_2_with_a_message(argv, message, capsys):
     assert cli.run(_parse(argv)) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("hyla serve: error: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--router-policy", "round_robin"], "--router-policy set without --dp-size above 1 or --prefill-workers"),
+    (["--dp-size", "1", "--router-read-timeout", "30"], "--router-read-timeout set without --dp-size above 1"),
+    (["--local-prefill-tokens", "64"], "--local-prefill-tokens set without --prefill-workers"),
+    (["--dp-size", "2", "--local-prefill-tokens", "0"], "--local-prefill-tokens set without --prefill-workers"),
+    (["--log-requests-level", "3"], "--log-requests-level set without --log-requests"),
+    (["--no-speculative-ngram-adaptive"], "speculative_ngram_adaptive set without speculative_algorithm='ngram'"),
+    (["--enforce-eager", "--cuda-graph-max-extend-tokens", "64"], "cuda_graph_max_extend_tokens set with "
+                                                                   "disable_cuda_graph"),
+])
+def test_a_flag_of_a_feature_that_is_off_is_refused(argv, message, capsys):
+    """A flag that would be ignored (the engine's rule, ``EngineArgs``, for the server's own flags too): status 2
+    and a message naming it, before anything starts."""
+    assert cli.run(_parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "which would ignore it" in err
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--router-policy", "cache_aware", "--local-prefill-tokens", "512", "--log-requests-level", "2"],  # defaults
+    ["--dp-size", "2", "--router-policy", "round_robin", "--router-read-timeout", "30"],
+    ["--prefill-workers", "1", "--router-policy", "least_load", "--local-prefill-tokens", "0"],
+    ["--log-requests", "--log-requests-level", "0"],
+])
+def test_a_flag_of_a_feature_that_is_on_or_at_its_default_is_taken(argv):
+    assert cli._ignored_flags_error(_parse(argv)) is None
+
+
+def test_an_empty_served_model_name_is_refused_by_the_app_too():
+    from hyla.server.app import create_app
+
+    with pytest.raises(ValueError, match="served_model_name must be a non-empty string"):
+        create_app(None, served_model_name="")
+    create_app(None, served_model_name="m")  # (the engine starts with the app's lifespan: nothing loads here)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["foo"], "argument command: invalid choice: 'foo' (choose from "),  # (the choices as this Python quotes them)
+    (["--bogus", "serve"], "unrecognized arguments: --bogus"),
+])
+def test_an_unknown_subcommand_is_an_argparse_error(argv, message, capsys):
+    """``hyla foo``: argparse's usual error and status 2 (it printed the help alone); ``hyla`` alone and ``hyla
+    --help`` print the help, status 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and message in captured.err and captured.err.startswith("usage: hyla")
+    for argv in ([], ["--help"]):
+        assert main(argv) == 0 and "Serving engine for hybrid LLMs." in capsys.readouterr().out
 
 
 def test_wrong_typed_flag_is_an_argparse_error(capsys):

@@ -22,6 +22,8 @@ from hyla.bench.metrics import format_report, summarize
 from hyla.bench.runner import assign_priorities, run_benchmark
 from hyla.cli import check_output_path
 
+INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (128 + SIGINT), as a shell reports it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option says what it does and its default (``hyla bench --help``)."""
@@ -139,9 +141,10 @@ def flush_cache(base_url: str, timeout: float | None, headers: dict[str, str] | 
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; exit status 0 when any request completed, 1 when none did, and 2 for a
-    bad option or a server that cannot be asked for its model or to flush its cache. Every option
-    is checked before anything is sent to the server."""
+    """Run the benchmark; exit status 0 when any request completed, 1 when none did, 2 for a
+    bad option or a server that cannot be asked for its model or to flush its cache, and 130 when
+    interrupted (Ctrl-C: a line on stderr, no traceback, no report). Every option is checked before
+    anything is sent to the server."""
     try:
         check_base_url(args.base_url)
         if not args.timeout > 0:  # also NaN
@@ -179,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hyla bench: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hyla bench: interrupted", file=sys.stderr)
+        return INTERRUPTED
     summary = summarize(results, duration)
     print(format_report(summary))
     if args.output_file:

@@ -188,7 +188,7 @@ class EngineArgs:
                                                    "prompt's new part, a turn; up to 8 requests prefilled together, "
                                                    "one replay each) replays a CUDA graph captured per "
                                                    "token count; 0 = extends run eagerly. Not with "
-                                                   "--disable-cuda-graph.")
+                                                   "--disable-cuda-graph (every extend runs eagerly there).")
     overlap_schedule: str = _opt("auto", "Launch each decode step before reading the previous step's tokens, so "
                                          "the host's per-step work runs while the device computes (SGLang's "
                                          "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
@@ -322,19 +322,28 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-        # an option of a feature that is off would be ignored: more likely a mistake than a wish
+        # an option of a feature that is off would be ignored: more likely a mistake than a wish, so it is refused
+        # (an option at its default counts as not set). Each row: the condition under which the feature is off, as
+        # the message says it, whether the feature is on, and its options
         defaults = {f.name: f.default for f in fields(self)}
-        for feature, on, names in (
-                ("speculative_algorithm", self.speculative_algorithm is not None,
+        for condition, on, names in (
+                ("without speculative_algorithm", self.speculative_algorithm is not None,
                  ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
                   "speculative_disable_by_batch_size")),
-                ("enable_hierarchical_cache", self.enable_hierarchical_cache, ("hicache_ratio", "hicache_size")),
-                ("enable_priority_scheduling", self.enable_priority_scheduling,
+                ("without speculative_algorithm='ngram'", self.speculative_algorithm == "ngram",
+                 ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+                  "speculative_ngram_adaptive")),
+                ("with disable_cuda_graph",  # (0, extends run eagerly, agrees with disable_cuda_graph)
+                 not self.disable_cuda_graph or self.cuda_graph_max_extend_tokens == 0,
+                 ("cuda_graph_max_extend_tokens",)),
+                ("without enable_hierarchical_cache", self.enable_hierarchical_cache,
+                 ("hicache_ratio", "hicache_size")),
+                ("without enable_priority_scheduling", self.enable_priority_scheduling,
                  ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold")),
-                ("enable_lora", self.enable_lora, ("max_loras", "max_cpu_loras", "max_lora_rank"))):
+                ("without enable_lora", self.enable_lora, ("max_loras", "max_cpu_loras", "max_lora_rank"))):
             changed = [name for name in names if getattr(self, name) != defaults[name]]
             if changed and not on:
-                raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
+                raise ValueError(f"{', '.join(changed)} set {condition}, which would ignore "
                                  f"{'them' if len(changed) > 1 else 'it'}")
 
         for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):  # (copies: the caller's dicts may change later)

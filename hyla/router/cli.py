@@ -63,9 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve the router; exit status 0 when it stops (SIGTERM, Ctrl-C), 2 for a bad option or an address it
+    cannot listen on (both checked before it starts), 3 when it fails to start (uvicorn's status)."""
     import uvicorn
 
     from hyla.router.app import create_router_app
+    from hyla.server.cli import bind_socket
     from hyla.server.launch import sigterm_as_interrupt
 
     if not 0 < args.port < 65536:
@@ -82,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
                                 max_request_bytes=args.max_request_bytes, api_key=args.api_key,
                                 prefill_urls=args.prefill_urls, local_prefill_tokens=args.local_prefill_tokens,
                                 read_timeout=args.read_timeout, **cors_options(args))
+    except ValueError as exc:
+        print(f"hyla route: error: {exc}", file=sys.stderr)
+        return 2
+    # a port in use (or an address not this machine's): this message and status 2 before uvicorn starts (its own
+    # check is a log line and status 3); uvicorn binds the port again as it starts (uvicorn.run takes no socket)
+    try:
+        bind_socket(args.host, args.port).close()
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2

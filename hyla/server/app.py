@@ -83,7 +83,10 @@ class Server:
         self.max_prompt_chars = max_prompt_chars
         self.shutdown_timeout = shutdown_timeout
         self.engine: Engine | None = None
-        self.model_name = served_model_name or ""
+        if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name):
+            raise ValueError(f"served_model_name must be a non-empty string (None: the model directory's name), "
+                             f"got {served_model_name!r:.80}")
+        self.model_name = served_model_name or ""  # "": the engine's model, named at start-up (start_engine)
         self.metrics = ServerMetrics(lambda: self.engine)
         self.draining = False
         self.generations: set[Generation] = set()

@@ -34,6 +34,8 @@ from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
+DEFAULT_ROUTER_POLICY = "cache_aware"
+DEFAULT_LOCAL_PREFILL_TOKENS = 512
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # vLLM's names of engine flags (hyla's are SGLang's), where the option means the same: a vLLM command line runs
 FLAG_ALIASES = {"tokenizer_path": ("--tokenizer",), "context_length": ("--max-model-len",),
@@ -86,16 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prefill/decode disaggregation: M more workers that only compute prompts, the --dp-size "
                              "ones decoding, behind the router (hyla route --prefill-urls; docs/server.md, "
                              "'Prefill/decode disaggregation'). Default 0: every worker does both.")
-    parser.add_argument("--local-prefill-tokens", type=int, default=512, metavar="N",
+    parser.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
                         help="With --prefill-workers: a decode worker computes a prompt with at most N tokens "
                              "uncached in its cache itself (a short prompt, a conversation's next turn); longer ones "
-                             "move from a prefill worker (hyla route --local-prefill-tokens; default 512, 0: all move).")
-    parser.add_argument("--router-policy", choices=POLICIES, default="cache_aware",
-                        help="With --dp-size: how the router chooses a worker (hyla route --policy; default "
-                             "cache_aware).")
+                             "move from a prefill worker (hyla route --local-prefill-tokens; default "
+                             f"{DEFAULT_LOCAL_PREFILL_TOKENS}, 0: all move).")
+    parser.add_argument("--router-policy", choices=POLICIES, default=DEFAULT_ROUTER_POLICY,
+                        help="With --dp-size or --prefill-workers: how the router chooses a worker (hyla route "
+                             f"--policy; default {DEFAULT_ROUTER_POLICY}).")
     parser.add_argument("--router-read-timeout", type=float, default=None, metavar="SECONDS",
-                        help="With --dp-size: a worker silent this long on a request has failed it (hyla route "
-                             "--read-timeout; default: no limit).")
+                        help="With --dp-size or --prefill-workers: a worker silent this long on a request has failed "
+                             "it (hyla route --read-timeout; default: no limit).")
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
@@ -104,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)
     add_cors_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
-                        help="The model name clients send (default: the model directory's name; "
+                        help="The model name clients send, not empty (default: the model directory's name; "
                              "'hyla-default' for the built-in model).")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
                         metavar="NAME=PATH",
@@ -117,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "any host. Default: none (images come as data URLs). A fetch runs on the server's network: "
                              "list only hosts its clients may have it reach.")
     parser.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT, metavar="SECONDS",
-                        help=f"Seconds an image URL's fetch may take (default {DEFAULT_FETCH_TIMEOUT:g}).")
+                        help=f"Seconds an image URL's fetch may take, > 0 (default {DEFAULT_FETCH_TIMEOUT:g}).")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help=f"Refuse a request body larger than this with 413 (default {DEFAULT_MAX_REQUEST_BYTES}).")
     parser.add_argument("--max-prefix-bytes", type=int, default=DEFAULT_MAX_PREFIX_BYTES, metavar="BYTES",
@@ -212,6 +215,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         print(f"hyla serve: error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}", file=sys.stderr)
         return 2
+    if not 0 < args.media_fetch_timeout < float("inf"):  # (also NaN)
+        print(f"hyla serve: error: --media-fetch-timeout must be a finite number of seconds > 0, got "
+              f"{args.media_fetch_timeout}", file=sys.stderr)
+        return 2
+    if args.served_model_name == "":  # (the rule of create_app; checked here before any worker starts)
+        print("hyla serve: error: --served-model-name must not be empty (leave it out for the model directory's "
+              "name)", file=sys.stderr)
+        return 2
 
     if args.dp_size < 1:
         print(f"hyla serve: error: --dp-size must be at least 1, got {args.dp_size}", file=sys.stderr)
@@ -227,15 +238,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"hyla serve: error: --local-prefill-tokens must be at least 0, got {args.local_prefill_tokens}",
               file=sys.stderr)
         return 2
+    ignored = _ignored_flags_error(args)
+    if ignored is not None:
+        print(f"hyla serve: error: {ignored}", file=sys.stderr)
+        return 2
     tls = tls_error(args)
     if tls is not None:
         print(f"hyla serve: error: {tls}", file=sys.stderr)
         return 2
     if args.dp_size > 1 or args.prefill_workers:  # the workers and the router (hyla/router/launch.py), its port checked first
         try:
-            _listen(args.host, args.port).close()
-        except OSError as exc:
-            print(f"hyla serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+            bind_socket(args.host, args.port).close()
+        except ValueError as exc:
+            print(f"hyla serve: error: {exc}", file=sys.stderr)
             return 2
         from hyla.router.launch import serve_data_parallel
 
@@ -243,9 +258,9 @@ def run(args: argparse.Namespace) -> int:
         return serve_data_parallel(args, args.given_argv)
 
     try:  # before anything is loaded: a port in use is an error now, not after minutes of loading
-        sock = _listen(args.host, args.port)
-    except OSError as exc:
-        print(f"hyla serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        sock = bind_socket(args.host, args.port)
+    except ValueError as exc:
+        print(f"hyla serve: error: {exc}", file=sys.stderr)
         return 2
 
     import uvicorn
@@ -254,15 +269,20 @@ def run(args: argparse.Namespace) -> int:
     from hyla.server.launch import UvicornServer, sigterm_as_interrupt
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
-                     max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
-                     max_prefix_bytes=args.max_prefix_bytes, max_stored_responses=args.max_stored_responses,
-                     max_stored_response_bytes=args.max_stored_response_bytes,
-                     shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser,
-                     log_requests_level=args.log_requests_level if args.log_requests else None,
-                     lora_modules=args.lora_modules or (), allowed_media_domains=args.allowed_media_domains,
-                     media_fetch_timeout=args.media_fetch_timeout, **cors_options(args), **options)
+    try:  # (the flags were checked above; the app's own checks are the last word, its error no traceback)
+        app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
+                         max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                         max_prefix_bytes=args.max_prefix_bytes, max_stored_responses=args.max_stored_responses,
+                         max_stored_response_bytes=args.max_stored_response_bytes,
+                         shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser,
+                         log_requests_level=args.log_requests_level if args.log_requests else None,
+                         lora_modules=args.lora_modules or (), allowed_media_domains=args.allowed_media_domains,
+                         media_fetch_timeout=args.media_fetch_timeout, **cors_options(args), **options)
+    except ValueError as exc:
+        sock.close()
+        print(f"hyla serve: error: {exc}", file=sys.stderr)
+        return 2
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5, **tls_options(args))
@@ -298,13 +318,39 @@ def _lora_modules_error(modules: list, options: dict[str, Any], served_model_nam
     return None
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (uvicorn listens on it once the engine is loaded)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+def _ignored_flags_error(args: argparse.Namespace) -> str | None:
+    """The engine's rule (``EngineArgs``) for the server's own flags: a flag of a feature that is off would be
+    ignored, more likely a mistake than a wish, so it is refused. The router's flags (``--router-policy``,
+    ``--router-read-timeout``) need a router (``--dp-size`` above 1 or ``--prefill-workers``),
+    ``--local-prefill-tokens`` prefill workers, ``--log-requests-level`` ``--log-requests``. A flag at its
+    default counts as not given. The message, or None."""
+    router = args.dp_size > 1 or args.prefill_workers > 0
+    for flag, given, condition, on in (
+            ("--router-policy", args.router_policy != DEFAULT_ROUTER_POLICY,
+             "without --dp-size above 1 or --prefill-workers (no router)", router),
+            ("--router-read-timeout", args.router_read_timeout is not None,
+             "without --dp-size above 1 or --prefill-workers (no router)", router),
+            ("--local-prefill-tokens", args.local_prefill_tokens != DEFAULT_LOCAL_PREFILL_TOKENS,
+             "without --prefill-workers", args.prefill_workers > 0),
+            ("--log-requests-level", args.log_requests_level != DEFAULT_LOG_REQUESTS_LEVEL,
+             "without --log-requests", args.log_requests)):
+        if given and not on:
+            return f"{flag} set {condition}, which would ignore it"
+    return None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, for uvicorn to listen on once the app has started (``hyla serve``; the
+    router of ``hyla route`` and ``--dp-size`` closes it at once: a check, uvicorn.run binding the port itself).
+    Bound first, so that a port in use (or an address not this machine's) is an error before anything loads: a
+    ``ValueError`` saying which and why."""
+    sock = None
     try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
