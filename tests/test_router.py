@@ -1419,6 +1419,21 @@ def _fake_decode_worker(held: int, import_seconds: float = 0.0):
     return app, seen
 
 
+
+def _fake_prefill_worker() -> FastAPI:
+    """A prefill worker whose every prompt's prefix is the same 30 tokens' bytes."""
+    prefill = FastAPI()
+
+    @prefill.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @prefill.post("/v1/completions")
+    async def prefill_only():
+        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+
+    return prefill
+
 def test_a_prefix_goes_to_the_decode_worker_it_was_made_for():
     """A decode worker that sent a prompt to prefill gets its prefix (made without the KV it said it holds) and then
     the request, though the policy would pick the other worker next; only where it has failed meanwhile do both go to
@@ -1460,15 +1475,7 @@ def test_a_decode_worker_silent_on_an_import_fails_it_within_the_read_timeout():
     ``/import_prefix`` has failed the request, which another worker serves."""
     hung, seen_hung = _fake_decode_worker(held=0, import_seconds=8.0)
     live, seen_live = _fake_decode_worker(held=0)
-    prefill = FastAPI()
-
-    @prefill.get("/health")
-    async def health():
-        return JSONResponse({})
-
-    @prefill.post("/v1/completions")
-    async def prefill_only():
-        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+    prefill = _fake_prefill_worker()
 
     with _Uvicorn(hung) as h, _Uvicorn(live) as w, _Uvicorn(prefill) as p, \
             _Uvicorn(create_router_app([h.url, w.url], prefill_urls=[p.url], policy="round_robin", health_interval=3600,
@@ -1479,17 +1486,10 @@ def test_a_decode_worker_silent_on_an_import_fails_it_within_the_read_timeout():
         assert seen_live == {"imports": [b"prefix bytes"], "served": ["moved"]} and seen_hung["served"] == []
         assert [w["healthy"] for w in httpx.get(r.url + "/workers").json()["workers"]] == [False, True]
 
+
 def test_a_client_that_leaves_while_its_prompt_moves_is_not_served():
     decode, seen = _fake_decode_worker(held=0, import_seconds=1.0)
-    prefill = FastAPI()
-
-    @prefill.get("/health")
-    async def health():
-        return JSONResponse({})
-
-    @prefill.post("/v1/completions")
-    async def prefill_only():
-        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+    prefill = _fake_prefill_worker()
 
     with _Uvicorn(decode) as d, _Uvicorn(prefill) as p, \
             _Uvicorn(create_router_app([d.url], prefill_urls=[p.url], health_interval=3600, local_prefill_tokens=0)) as r:
