@@ -221,3 +221,19 @@ def test_available_ram_is_what_the_kernel_can_give(monkeypatch):
     import io
     monkeypatch.setattr(engine_module, "open", lambda path, *a, **k: io.StringIO(meminfo), raising=False)
     assert engine_module._available_ram() == 20000000 * 1024
+
+
+@pytest.mark.parametrize("files, left", [
+    ({"fs/cgroup/memory.max": "2147483648\n", "fs/cgroup/memory.current": "536870912\n"}, 3 << 29),
+    ({"fs/cgroup/memory.max": "max\n", "fs/cgroup/memory.current": "536870912\n"}, None),
+    ({"fs/cgroup/memory/memory.limit_in_bytes": "1073741824\n", "fs/cgroup/memory/memory.usage_in_bytes": "0\n"}, 1 << 30),
+    ({"fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",
+      "fs/cgroup/memory/memory.usage_in_bytes": "5\n"}, None),
+    ({}, None)])
+def test_a_containers_memory_limit_bounds_the_ram_available(tmp_path, files, left):
+    """Inside a container MemAvailable is the host's: the cgroup's limit less its usage bounds it (v2, else v1;
+    none, or v1's near-2^63 "no limit", leaves MemAvailable)."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert engine_module._cgroup_memory_left(str(tmp_path)) == left

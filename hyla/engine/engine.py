@@ -1579,18 +1579,43 @@ def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:
 def _available_ram() -> int:
     """Bytes of RAM available now: Linux's MemAvailable (free pages plus the page cache and other
     memory the kernel gives back on demand; the free pages alone, which a busy machine's page cache
-    keeps low, sized the pools to a few MB), else the free pages, else 8 GiB."""
+    keeps low, sized the pools to a few MB), else the free pages, else 8 GiB; at most what the
+    process's cgroup memory limit leaves (a container's: MemAvailable is the host's)."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8 << 30
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            available = 8 << 30
+    left = _cgroup_memory_left()
+    return available if left is None else min(available, left)
+
+
+def _cgroup_memory_left(sys_root: str = "/sys") -> int | None:
+    """Bytes this process's cgroup may still take (its memory limit less its usage: cgroup v2's
+    ``memory.max`` / ``memory.current``, else v1's ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``);
+    None without a limit."""
+    for limit_file, usage_file in (("fs/cgroup/memory.max", "fs/cgroup/memory.current"),
+                                   ("fs/cgroup/memory/memory.limit_in_bytes", "fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{sys_root}/{limit_file}") as f:
+                limit = f.read().strip()
+            with open(f"{sys_root}/{usage_file}") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # (v1's "no limit": near 2^63)
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def _how_sized(given: int | None, size: int, cap: int, cap_text: str) -> str:
