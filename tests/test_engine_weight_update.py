@@ -606,6 +606,41 @@ def test_updates_waiting_their_turn_hold_no_thread_and_apply_in_order(tiny_ckpt_
         assert [u.result().status_code for u in updates] == [200] * 8
     assert applied == [f"v{i}" for i in range(8)]
 
+
+def test_an_update_waiting_too_long_for_its_turn_is_a_409(tiny_ckpt_dir, monkeypatch):
+    """The wait for the turn counts toward the update's ten minutes (here one second), as the engine's own wait
+    for another update did: past it, a 409 (``engine_busy``), the weights not updated."""
+    import concurrent.futures
+    import threading
+
+    import httpx
+
+    from hyla.server import native_routes
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from test_server_openai import make_chat_model
+
+    path, release = make_chat_model(tiny_ckpt_dir), threading.Event()
+
+    def slow_update(self, model_path, **kwargs):
+        release.wait(30)
+        return {"model_path": str(model_path), "weight_version": "v", "num_aborted_requests": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(Engine, "update_weights_from_disk", slow_update)
+    monkeypatch.setattr(native_routes, "WEIGHT_UPDATE_SECONDS", 1.0)
+    with BackgroundServer(create_app(path, **OPTS)) as srv, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            first = pool.submit(httpx.post, srv.url + "/update_weights_from_disk", json={"model_path": str(path)},
+                                timeout=60)
+            time.sleep(0.2)
+            start = time.monotonic()
+            second = httpx.post(srv.url + "/update_weights_from_disk", json={"model_path": str(path)}, timeout=60)
+            assert second.status_code == 409 and time.monotonic() - start < 10, second.text
+            assert second.json()["success"] is False and "another weight update still running" in second.text
+        finally:
+            release.set()
+        assert first.result().status_code == 200
+
 def test_a_failed_recompile_serves_the_new_weights_eager(qwen3_next_dense_path, other_seed_path, monkeypatch, caplog):
     """``compile_decode``'s graphs compiled again after the weights were written, and the compile fails
     (inductor's cache dir full, say): the old graphs (the old weights as constants) are dropped all the

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from hyla.server.app import Server
 
 HEALTH_GENERATE_SECONDS = 20.0  # SGLang's: how long /health_generate waits for the engine
+WEIGHT_UPDATE_SECONDS = 600.0  # how long a weight update may wait (its turn, the running requests) before a 409
 HEALTH_NAMESPACE = "hyla-health-generate"  # its one-token prompts share no prefix with users'
 
 
@@ -172,11 +173,20 @@ class NativeRoutes:
         (``weight_update_failed``), the body's ``success`` false in all three. Updates run one at a time in
         the order they came, each waiting for its turn here, holding no thread."""
         engine = self.server.admit()
+        start = time.monotonic()  # (the ten minutes count from here: the turn's wait, the drain, the read)
         try:
-            async with self._update_turn:
+            try:
+                await asyncio.wait_for(self._update_turn.acquire(), WEIGHT_UPDATE_SECONDS)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"another weight update still running after {WEIGHT_UPDATE_SECONDS:g} s: the "
+                                   "weights were not updated") from None
+            try:
+                left = max(0.001, WEIGHT_UPDATE_SECONDS - (time.monotonic() - start))
                 done = await asyncio.to_thread(engine.update_weights_from_disk, body.model_path,
                                                abort_all_requests=body.abort_all_requests,
-                                               weight_version=body.weight_version)
+                                               weight_version=body.weight_version, timeout=left)
+            finally:
+                self._update_turn.release()
         except ValueError as exc:
             raise WeightUpdateFailed(400, f"the weights were not updated: {exc}", param="model_path") from None
         except TimeoutError as exc:
