@@ -305,8 +305,9 @@ class Engine:
         floor = max(8, args.max_running_requests * (per_req + 1) if args.max_running_requests else 0)
         num_slots = args.max_state_slots or min(max(split.num_state_slots, floor), slot_cap, max(4096, floor))
         kv_from_memory = None
-        if args.max_total_tokens is None:
-            extra = max(0, num_slots - split.num_state_slots) * layout.state_bytes_per_slot
+        if args.max_total_tokens is None:  # (slots given: the KV keeps its share, as the slots are the user's)
+            extra = max(0, num_slots - split.num_state_slots) * layout.state_bytes_per_slot \
+                if args.max_state_slots is None else 0
             per_token = layout.kv_bytes_per_token or 1  # (no attention: KV indices alone, no bytes to give)
             kv_from_memory = split.num_kv_tokens - (extra // per_token if layout.kv_bytes_per_token else 0)
             if args.max_state_slots is None and args.max_running_requests and kv_from_memory < 4 * args.page_size:
