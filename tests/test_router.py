@@ -1785,3 +1785,13 @@ def test_hyla_route_refuses_a_port_in_use_before_it_starts(capsys):
         assert main(["route", "--worker-urls", _closed_port_url(), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"hyla route: error: cannot listen on 127.0.0.1:{port}" in err and "in use" in err
+
+
+
+def test_hyla_route_refuses_local_prefill_tokens_without_prefill_workers(capsys):
+    """``--local-prefill-tokens`` only means something with ``--prefill-urls``: without them it would be ignored,
+    so it is refused (status 2), as ``hyla serve`` refuses its own."""
+    from hyla.cli import main
+
+    assert main(["route", "--worker-urls", _closed_port_url(), "--local-prefill-tokens", "64"]) == 2
+    assert "--local-prefill-tokens set without --prefill-urls" in capsys.readouterr().err

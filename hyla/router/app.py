@@ -88,7 +88,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.requests import ClientDisconnect
 
-from hyla.router.policy import MAX_KEY_BLOCKS, Namespaced, PrefixTable, Router
+from hyla.router.policy import (DEFAULT_LOCAL_PREFILL_TOKENS, DEFAULT_POLICY, MAX_KEY_BLOCKS, Namespaced,
+                               PrefixTable, Router)
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
 from hyla.server.error_bodies import anthropic_error_body, is_anthropic_path, openai_error_body
@@ -117,7 +118,6 @@ RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp|conv)_[0-9A-Za-z]+)"')  # a res
 # what a worker stores, and where the router asks a worker whether it does (by the id's prefix)
 STORED_PATHS = {"resp_": "/v1/responses/", "conv_": "/v1/conversations/"}
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as a worker's default (hyla serve --max-request-bytes): a larger body is a 413
-DEFAULT_LOCAL_PREFILL_TOKENS = 512  # a decode worker lacking no more of a prompt computes it itself
 OWNER_LOOKUP_SECONDS = 5.0  # how long a worker may take to say whether it stores a response
 PARSE_IN_THREAD_BYTES = 1 << 16  # a body this large is parsed off the event loop (1 MiB of tiny list items: ~0.5 s)
 MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently made dropped first
@@ -1212,7 +1212,7 @@ class _EventCut:
         return None
 
 
-def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,
+def create_router_app(worker_urls: Sequence[str], policy: str = DEFAULT_POLICY, *, cache_threshold: float = 0.3,
                       balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
                       health_interval: float = 5.0, connect_timeout: float = 5.0,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from hyla.router.policy import POLICIES
+from hyla.router.policy import DEFAULT_LOCAL_PREFILL_TOKENS, DEFAULT_POLICY, POLICIES
 from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.tls import add_tls_arguments, tls_error, tls_options
 
@@ -23,14 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flags) compute prompts, and the --worker-urls decode; each prompt's KV and state move "
                              "to the decode worker (docs/server.md, 'Prefill/decode disaggregation'). Default: none, "
                              "every worker does both.")
-    parser.add_argument("--local-prefill-tokens", type=int, default=512,
+    parser.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
                         help="With --prefill-urls: a decode worker serves a request whose prompt has at most this many "
                              "tokens uncached in its cache (a short prompt, a conversation's next turn) itself; "
                              "longer ones are computed by a prefill worker and moved (default 512; 0: every "
                              "request moves).")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"Address to listen on (default {DEFAULT_HOST}).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
-    parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
                         help="How a worker is chosen (default cache_aware: where the prompt's longest prefix went).")
     parser.add_argument("--cache-threshold", type=float, default=0.3,
                         help="cache_aware: the share of the prompt a worker's prefix must cover to win over the "
@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_error(args)
     if tls is not None:
         print(f"hyla route: error: {tls}", file=sys.stderr)
+        return 2
+    if args.local_prefill_tokens != DEFAULT_LOCAL_PREFILL_TOKENS and not args.prefill_urls:
+        print("hyla route: error: --local-prefill-tokens set without --prefill-urls, which would ignore it",
+              file=sys.stderr)
         return 2
     try:
         app = create_router_app(args.worker_urls, args.policy, cache_threshold=args.cache_threshold,

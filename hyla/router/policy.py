@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 POLICIES = ("cache_aware", "round_robin", "least_load", "random")
+DEFAULT_POLICY = "cache_aware"
+# with prefill workers: a decode worker lacking no more of a prompt than this computes it itself (a short prompt, a
+# conversation's next turn), a longer one is computed by a prefill worker and moved
+DEFAULT_LOCAL_PREFILL_TOKENS = 512
 
 
 # blocks of a key looked at, at most (a 512 Ki-character prefix): where a prompt goes is decided by its
@@ -116,7 +120,7 @@ class Router:
     """The routing policy over ``num_workers`` workers (the module docstring). Not thread-safe: the
     router app calls it from its event loop only."""
 
-    def __init__(self, num_workers: int, policy: str = "cache_aware", cache_threshold: float = 0.3,
+    def __init__(self, num_workers: int, policy: str = DEFAULT_POLICY, cache_threshold: float = 0.3,
                  balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
                  block_chars: int = 64, block_tokens: int = 16, seed: int = 0) -> None:
         if num_workers < 1:

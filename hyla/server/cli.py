@@ -26,7 +26,7 @@ from hyla.server.lora_routes import parse_lora_module
 from hyla.server.protocol import (DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES,
                                   DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
-from hyla.router.policy import POLICIES
+from hyla.router.policy import DEFAULT_LOCAL_PREFILL_TOKENS, DEFAULT_POLICY, POLICIES
 from hyla.server.reasoning import REASONING_PARSERS
 from hyla.server.request_log import DEFAULT_LOG_REQUESTS_LEVEL, LOG_REQUESTS_LEVELS, PARTIAL_CHARS
 from hyla.server.tls import add_tls_arguments, tls_error, tls_options
@@ -34,8 +34,6 @@ from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
-DEFAULT_ROUTER_POLICY = "cache_aware"
-DEFAULT_LOCAL_PREFILL_TOKENS = 512
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # vLLM's names of engine flags (hyla's are SGLang's), where the option means the same: a vLLM command line runs
 FLAG_ALIASES = {"tokenizer_path": ("--tokenizer",), "context_length": ("--max-model-len",),
@@ -93,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "uncached in its cache itself (a short prompt, a conversation's next turn); longer ones "
                              "move from a prefill worker (hyla route --local-prefill-tokens; default "
                              f"{DEFAULT_LOCAL_PREFILL_TOKENS}, 0: all move).")
-    parser.add_argument("--router-policy", choices=POLICIES, default=DEFAULT_ROUTER_POLICY,
+    parser.add_argument("--router-policy", choices=POLICIES, default=DEFAULT_POLICY,
                         help="With --dp-size or --prefill-workers: how the router chooses a worker (hyla route "
-                             f"--policy; default {DEFAULT_ROUTER_POLICY}).")
+                             f"--policy; default {DEFAULT_POLICY}).")
     parser.add_argument("--router-read-timeout", type=float, default=None, metavar="SECONDS",
                         help="With --dp-size or --prefill-workers: a worker silent this long on a request has failed "
                              "it (hyla route --read-timeout; default: no limit).")
@@ -326,7 +324,7 @@ def _ignored_flags_error(args: argparse.Namespace) -> str | None:
     default counts as not given. The message, or None."""
     router = args.dp_size > 1 or args.prefill_workers > 0
     for flag, given, condition, on in (
-            ("--router-policy", args.router_policy != DEFAULT_ROUTER_POLICY,
+            ("--router-policy", args.router_policy != DEFAULT_POLICY,
              "without --dp-size above 1 or --prefill-workers (no router)", router),
             ("--router-read-timeout", args.router_read_timeout is not None,
              "without --dp-size above 1 or --prefill-workers (no router)", router),
