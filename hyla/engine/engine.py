@@ -76,6 +76,9 @@ CPU_MAX_RUNNING_REQUESTS = 32
 built-in model, one thread: 948 tokens/s at batch 32, 1106 at 64, 1225 at 128)."""
 CHECKPOINTS_PER_RUNNING_REQUEST = 3
 """Pools sized from memory hold at most this many cached state checkpoints per running request."""
+WEIGHT_UPDATE_SECONDS = 600.0
+"""``update_weights_from_disk``'s default ``timeout``: how long an update may wait (for another update, for the
+running requests) before a ``TimeoutError`` (the server's ``/update_weights_from_disk``: its turn too, then a 409)."""
 WEIGHT_UPDATE_APPLY_SECONDS = 3600.0
 """How long ``update_weights_from_disk`` waits for the update itself once it has begun (with
 ``compile_decode`` it compiles then)."""
@@ -308,8 +311,8 @@ class Engine:
         if args.max_total_tokens is None:  # (slots given: the KV keeps its share, as the slots are the user's)
             extra = max(0, num_slots - split.num_state_slots) * layout.state_bytes_per_slot \
                 if args.max_state_slots is None else 0
-            per_token = layout.kv_bytes_per_token or 1  # (no attention: KV indices alone, no bytes to give)
-            kv_from_memory = split.num_kv_tokens - (extra // per_token if layout.kv_bytes_per_token else 0)
+            # (no attention: KV indices alone, no bytes to give)
+            kv_from_memory = split.num_kv_tokens - (extra // layout.kv_bytes_per_token if layout.kv_bytes_per_token else 0)
             if args.max_state_slots is None and args.max_running_requests and kv_from_memory < 4 * args.page_size:
                 raise ValueError(
                     f"max_running_requests ({args.max_running_requests}) needs at least {floor} state slots "
@@ -747,7 +750,7 @@ class Engine:
                              "weights compute")
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
-                                 weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+                                 weight_version: str | None = None, timeout: float = WEIGHT_UPDATE_SECONDS) -> dict[str, Any]:
         """Serve the weights of another checkpoint of the same model from now on (a trainer's latest,
         in reinforcement learning): SGLang's ``update_weights_from_disk``, without a restart.
 

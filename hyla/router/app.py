@@ -1010,14 +1010,13 @@ class RouterApp:
         live = [(w, table) for w, table in everyone
                 if w.healthy or (path in ALL_WORKERS_PATHS and w.owed and w.reachable)]
         if not live:
-            return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
+            return error_response(path, 503, "no worker is available: every worker is unhealthy")
         if path in ALL_WORKERS_PATHS and len(live) < len(everyone):
-            down = [w.url for w, _ in everyone if not w.healthy]
+            down = [w.url for w, _ in everyone if all(w is not taking for taking, _ in live)]
             what = {"/update_weights_from_disk": ("the weights were not updated", "serve the old weights"),
                     "/v1/load_lora_adapter": ("the LoRA adapter was not loaded", "lack it"),
                     "/v1/unload_lora_adapter": ("the LoRA adapter was not unloaded", "still serve it")}[path]
-            return JSONResponse(error_body(f"{what[0]}: workers {down} are unhealthy, and would {what[1]} once back"),
-                                status_code=503)
+            return error_response(path, 503, f"{what[0]}: workers {down} are unhealthy, and would {what[1]} once back")
         answers = await self._send_to_each(request, path, raw, [w for w, _ in live])
         failed = None
         for (w, table), a in zip(live, answers):
@@ -1079,11 +1078,11 @@ class RouterApp:
             return raw
         live = [w for w, _ in self.all_workers() if w.healthy]
         if not live:
-            return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
+            return error_response("/export_prefix", 503, "no worker is available: every worker is unhealthy")
         answers = [a for a in await self._send_to_each(request, "/export_prefix", raw, live)
                    if not isinstance(a, Exception)]
         if not answers:
-            return JSONResponse(error_body("every worker failed the export", type="bad_gateway"), status_code=502)
+            return error_response("/export_prefix", 502, "every worker failed the export", type="bad_gateway")
         found = [(n, a) for a in answers if a.status_code == 200
                  and (n := header_count(a.headers.get(PREFIX_TOKENS_HEADER))) is not None]
         best = max(found, key=lambda na: na[0])[1] if found else answers[0]

@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.errors import EngineOverloadedError, RequestError
 from hyla.engine.sampling_params import SAMPLING_FIELDS
-from hyla.server.error_bodies import anthropic_error_body, is_anthropic_path
-from hyla.server.protocol import ErrorInfo, ErrorResponse, FieldError
+from hyla.server.error_bodies import anthropic_error_body, is_anthropic_path, openai_error_body
+from hyla.server.protocol import FieldError
 
 logger = logging.getLogger("hyla.server")
 
@@ -49,8 +49,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
+        return openai_error_body(self.message, self.type, self.param, self.code)
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer: OpenAI's body, or Anthropic's on its ``path`` s (``is_anthropic_path``)."""

@@ -28,6 +28,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 
 import hyla
+from hyla.engine.engine import WEIGHT_UPDATE_SECONDS
 from hyla.engine.errors import EngineOverloadedError, RequestError
 from hyla.server.disaggregation import disaggregation_answer, prefix_response
 from hyla.server.errors import APIError, api_param
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from hyla.server.app import Server
 
 HEALTH_GENERATE_SECONDS = 20.0  # SGLang's: how long /health_generate waits for the engine
-WEIGHT_UPDATE_SECONDS = 600.0  # how long a weight update may wait (its turn, the running requests) before a 409
 HEALTH_NAMESPACE = "hyla-health-generate"  # its one-token prompts share no prefix with users'
 
 

@@ -1245,12 +1245,3 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
